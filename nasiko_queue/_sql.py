@@ -1,0 +1,83 @@
+"""
+Loads `sql/queries.sql` once into a typed record of named statements.
+
+Why a record and not a dict: a typo in a statement name is then a type error
+(mypy) and an import-time error (the loader refuses a file whose names differ
+from the fields below), never a KeyError in the middle of a drain.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import attrs
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+@attrs.frozen
+class Queries:
+    """The statements of `sql/queries.sql`, one field per `-- name:` block."""
+
+    job_insert: str
+    job_claim: str
+    job_finish_from_build: str
+    job_mark: str
+    job_reset_to_pending: str
+    jobs_fail_exhausted_stuck: str
+    jobs_reset_stuck: str
+    agent_builds_fail_unfinished: str
+    agent_build_fail_own: str
+    agent_has_success: str
+    agent_mark_failed: str
+    agent_delete: str
+    connector_builds_fail_unfinished: str
+    connector_has_success: str
+    connector_mark_failed: str
+    connector_delete: str
+    jobs_count_by_status: str
+    jobs_in_progress_summary: str
+    jobs_oldest_pending_age: str
+    migrations_lock: str
+    migrations_unlock: str
+    migrations_create_table: str
+    migrations_applied: str
+    migrations_record: str
+    agent_insert: str
+    agent_build_insert: str
+    connector_insert: str
+    connector_build_insert: str
+    agent_build_set_status: str
+    connector_build_set_status: str
+    agent_set_status: str
+    connector_set_build_status: str
+    agent_soft_delete: str
+
+
+def parse(text: str) -> dict[str, str]:
+    """Split a named-query file into {name: statement}, comments kept, ';' dropped."""
+    parts = _NAME.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    out: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in out:
+            raise ValueError(f"queries.sql: statement {name!r} is defined twice")
+        out[name] = body.strip().rstrip(";").strip()
+    return out
+
+
+def load() -> Queries:
+    text = resources.files(__package__).joinpath("sql/queries.sql").read_text("utf-8")
+    found = parse(text)
+    wanted = {f.name for f in attrs.fields(Queries)}
+    if set(found) != wanted:
+        raise RuntimeError(
+            "queries.sql and _sql.Queries disagree: "
+            f"missing {sorted(wanted - set(found))}, unexpected {sorted(set(found) - wanted)}"
+        )
+    return Queries(**found)
+
+
+#: The one loaded copy every module uses.
+Q = load()

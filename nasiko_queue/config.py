@@ -1,0 +1,68 @@
+"""
+The queue's constants, named once, and the configuration that overrides them.
+
+The defaults are the original build worker's (SPEC.md §3). Tests and operators
+override them through `QueueConfig`; nothing else in the package hard-codes a
+number that SPEC.md names.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .errors import ConfigurationError
+
+#: A job runs at most this many times (attempts are counted at claim time).
+MAX_ATTEMPTS = 3
+#: A job `in_progress` for longer than this is recovered by the sweep. It must
+#: exceed the longest build (30 minutes in the original), hence twice that.
+STUCK_JOB_MINS = 60
+#: Buffered wake-ups; a full channel already guarantees a drain, so more are dropped.
+WAKE_CAPACITY = 64
+#: Fallback poll, in seconds, re-armed after every drain.
+POLL_INTERVAL = 5.0
+#: Recovery sweep period in seconds; the first tick comes one period after start.
+RECOVERY_INTERVAL = 600.0
+#: Refuse payloads larger than this at enqueue (bytes of encoded JSON).
+MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ConfigurationError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _at_least_one(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ConfigurationError(f"{attribute.name} must be >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class QueueConfig:
+    """
+    Every knob of one queue: the worker's timers, its limits and its retries.
+
+    All times are seconds except `stuck_job_mins`, which is bound into SQL as
+    `make_interval(mins => $n)` exactly as the original does.
+    """
+
+    #: Runs per job before it is failed for good (SPEC §5 cap, §7 sweep).
+    max_attempts: int = attrs.field(default=MAX_ATTEMPTS, validator=_at_least_one)
+    #: Age of `picked_at` after which an `in_progress` job counts as stuck.
+    stuck_job_mins: int = attrs.field(default=STUCK_JOB_MINS, validator=_at_least_one)
+    #: Capacity of the in-process wake channel.
+    wake_capacity: int = attrs.field(default=WAKE_CAPACITY, validator=_at_least_one)
+    #: Seconds of quiet after a drain before the worker looks again by itself.
+    poll_interval: float = attrs.field(default=POLL_INTERVAL, validator=_positive)
+    #: Seconds between recovery sweeps (first one this long after start).
+    recovery_interval: float = attrs.field(default=RECOVERY_INTERVAL, validator=_positive)
+    #: Executors one worker runs at once. 1 is the original's behaviour.
+    concurrency: int = attrs.field(default=1, validator=_at_least_one)
+    #: Largest encoded payload `enqueue` accepts.
+    max_payload_bytes: int = attrs.field(default=MAX_PAYLOAD_BYTES, validator=_at_least_one)
+    #: First delay when a final update or a startup sweep fails; doubles up to the cap.
+    retry_initial_delay: float = attrs.field(default=0.1, validator=_positive)
+    #: Longest delay between two retries of a final update.
+    retry_max_delay: float = attrs.field(default=10.0, validator=_positive)
+    #: How long a shielded cleanup (release on hard stop, rollback, pool release) may take.
+    cleanup_timeout: float = attrs.field(default=5.0, validator=_positive)

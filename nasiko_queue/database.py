@@ -1,0 +1,253 @@
+"""
+The database layer: asyncpg, on the asyncio side of a trio-asyncio loop.
+
+asyncpg speaks asyncio only; trio-asyncio runs an asyncio loop inside trio. Every
+crossing of that bridge costs a new asyncio Task and about 90 µs, and a cleanup
+that crosses it inside an already-cancelled trio scope never runs (see
+shared/reference/trio-asyncpg-notes.md §1: a cancelled `aio_as_trio(conn.transaction())`
+leaves the server in an aborted transaction; a cancelled `aio_as_trio(pool.acquire())`
+leaks the connection). So this module follows two rules:
+
+* **One crossing per operation.** `Database.run(op)` hands a whole asyncio
+  coroutine (acquire, statements, transaction, release) to the loop at once.
+  Cancelling the trio caller cancels that one asyncio task, and asyncio's own
+  `async with` blocks roll back and release on the way out.
+* **Shielded, bounded cleanup** for the one thing that must live on the trio side,
+  `Database.transaction()` (the caller's transaction that `enqueue` joins): its
+  commit, rollback and release run under `CancelScope(shield=True)` with a timeout.
+
+The pool connects lazily (min_size 0), so a worker can start while the server is
+down and simply fail operations until it is back; asyncpg replaces connections
+that died. Nothing here retries: the callers decide (the worker retries final
+updates with backoff; a claim that fails waits for the next wake).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import asyncpg
+import attrs
+import trio
+import trio_asyncio
+
+log = logging.getLogger("nasiko_queue.database")
+
+T = TypeVar("T")
+
+#: An operation run on the asyncio side with one pooled connection.
+Operation = Callable[[asyncpg.Connection], Awaitable[T]]
+
+
+@attrs.frozen(kw_only=True)
+class DatabaseConfig:
+    """How to reach PostgreSQL and how patient to be with it."""
+
+    #: libpq-style DSN: ``postgresql://user@host:5432/db`` (asyncpg passes unknown
+    #: query parameters, such as ``search_path``, to the server as settings).
+    dsn: str = attrs.field(repr=False)
+    #: Largest number of pooled connections (the LISTEN connection of a later
+    #: release is separate).
+    max_connections: int = 10
+    #: Seconds a single statement may run; also bounds every shielded cleanup.
+    command_timeout: float = 60.0
+    #: Seconds to open a connection before the operation fails.
+    connect_timeout: float = 10.0
+    #: Seconds a shielded cleanup (commit, rollback, release, close) may take.
+    cleanup_timeout: float = 5.0
+
+
+class Transaction:
+    """
+    A transaction on one connection, driven from trio code.
+
+    Each statement crosses the bridge once. Obtain one from
+    `Database.transaction()`; `enqueue(..., tx=tx)` joins it, and wakes the
+    worker only after it commits.
+    """
+
+    def __init__(self, db: Database, conn: asyncpg.Connection) -> None:
+        self._db = db
+        self._conn = conn
+        self._after_commit: list[Callable[[], None]] = []
+
+    async def execute(self, query: str, *args: Any) -> str:
+        return await self._db._cross(self._conn.execute(query, *args))  # type: ignore[no-any-return]
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._db._cross(self._conn.fetch(query, *args))  # type: ignore[no-any-return]
+
+    async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        return await self._db._cross(self._conn.fetchrow(query, *args))
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self._db._cross(self._conn.fetchval(query, *args))
+
+    def call_after_commit(self, callback: Callable[[], None]) -> None:
+        """Run `callback` (synchronous, must not block) once the commit succeeded."""
+        self._after_commit.append(callback)
+
+
+class Database:
+    """
+    A pool of asyncpg connections and the trio-asyncio loop they live on.
+
+    Create it with `open_database()`. All methods are trio-side and safe to call
+    from any task in the loop's scope.
+    """
+
+    def __init__(self, loop: Any, pool: asyncpg.Pool, config: DatabaseConfig) -> None:
+        self._loop = loop
+        self._pool = pool
+        self.config = config
+
+    async def _cross(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run one asyncio coroutine on our loop; the single bridge crossing."""
+        return await self._loop.run_aio_coroutine(coro)  # type: ignore[no-any-return]
+
+    async def run(self, op: Operation[T]) -> T:
+        """Run `op(conn)` with a pooled connection, in one crossing."""
+
+        async def on_asyncio() -> T:
+            async with self._pool.acquire(timeout=self.config.connect_timeout) as conn:
+                return await op(conn)
+
+        return await self._cross(on_asyncio())
+
+    async def run_in_transaction(self, op: Operation[T]) -> T:
+        """Run `op(conn)` inside one transaction, in one crossing."""
+
+        async def in_tx(conn: asyncpg.Connection) -> T:
+            async with conn.transaction():
+                return await op(conn)
+
+        return await self.run(in_tx)
+
+    async def execute(self, query: str, *args: Any) -> str:
+        return await self.run(lambda conn: conn.execute(query, *args))
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        return await self.run(lambda conn: conn.fetch(query, *args))
+
+    async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        return await self.run(lambda conn: conn.fetchrow(query, *args))
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self.run(lambda conn: conn.fetchval(query, *args))
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Transaction]:
+        """
+        A transaction held open across trio code (for the caller's own writes).
+
+        Committed when the block exits normally, rolled back when it raises or is
+        cancelled. Commit, rollback and the connection's return to the pool are
+        shielded from cancellation and bounded by `cleanup_timeout`; a connection
+        whose rollback did not finish is closed rather than returned.
+        """
+        conn = await self._cross(self._pool.acquire(timeout=self.config.connect_timeout))
+        healthy = True
+        try:
+            aio_tx = conn.transaction()
+            await self._cross(aio_tx.start())
+            tx = Transaction(self, conn)
+            try:
+                yield tx
+            except BaseException:
+                healthy = await self._cleanup(aio_tx.rollback(), "rollback")
+                raise
+            # A commit must not be torn in half by a cancellation: either it is
+            # sent and answered, or the bounded shield gives up and we discard
+            # the connection (the server then rolls back on disconnect).
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(self.config.command_timeout) as scope:
+                    await self._cross(aio_tx.commit())
+                if scope.cancelled_caught:
+                    healthy = False
+                    raise TimeoutError("COMMIT did not complete in time; outcome unknown")
+            for callback in tx._after_commit:
+                callback()
+        finally:
+            if not healthy:
+                conn.terminate()
+            await self._cleanup(self._pool.release(conn), "release")
+
+    async def _cleanup(self, coro: Coroutine[Any, Any, Any], what: str) -> bool:
+        """Run a cleanup shielded and bounded; report whether it finished."""
+        with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+            try:
+                await self._cross(coro)
+            except Exception:
+                log.warning("database %s failed", what, exc_info=True)
+                return False
+            return True
+        log.warning("database %s timed out after %.1fs", what, self.config.cleanup_timeout)
+        return False
+
+    async def aclose(self) -> None:
+        """Close the pool; shielded and bounded, then forced."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.config.cleanup_timeout):
+                await self._cross(self._pool.close())
+                return
+            self._pool.terminate()
+
+
+@asynccontextmanager
+async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]:
+    """
+    Open a connection pool; close it on exit.
+
+    Runs inside an existing trio-asyncio loop if the caller opened one
+    (`trio_asyncio.open_loop()`), otherwise opens one for its own lifetime.
+    Connections are made on first use, so this succeeds even while the server
+    is unreachable.
+    """
+    if isinstance(config, str):
+        config = DatabaseConfig(dsn=config)
+    loop = trio_asyncio.current_loop.get()
+    if loop is not None:
+        async with _pool(loop, config) as db:
+            yield db
+        return
+    # open_loop() wraps whatever escapes its body in two exception groups; give
+    # the caller back the exception its own code raised.
+    raised: BaseException | None = None
+    try:
+        async with trio_asyncio.open_loop() as loop, _pool(loop, config) as db:
+            try:
+                yield db
+            except BaseException as exc:
+                raised = exc
+                raise
+    except BaseExceptionGroup as group:
+        if raised is not None and _leaves(group) == [raised]:
+            raise raised from None
+        raise
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+@asynccontextmanager
+async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
+    pool = await loop.run_aio_coroutine(
+        asyncpg.create_pool(
+            config.dsn,
+            min_size=0,
+            max_size=config.max_connections,
+            command_timeout=config.command_timeout,
+            timeout=config.connect_timeout,
+        )
+    )
+    db = Database(loop, pool, config)
+    try:
+        yield db
+    finally:
+        await db.aclose()

@@ -1,0 +1,105 @@
+"""
+The queue handle applications hold: enqueue, and waking in-process workers.
+
+Enqueue inserts the job row (inside the caller's transaction when one is given,
+so the target rows, the build row and the job commit or vanish together) and
+wakes the worker after commit. The wake is fire-and-forget (SPEC §4
+[decision]): a full wake channel already guarantees a drain, so a wake that
+does not fit is dropped, and enqueue never waits for a worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from uuid import UUID
+
+from ._sql import Q
+from .config import QueueConfig
+from .database import Database, Transaction
+from .errors import PayloadTooLarge
+from .payloads import Payload, PayloadCodec
+from .secrets import SecretBox
+
+
+class Queue:
+    """
+    One job queue: a database, its configuration, and the key that seals secrets.
+
+    Args:
+        db: from `open_database()`.
+        config: the constants of SPEC §3 and the worker's knobs.
+        secrets: seals the secret fields of payloads (McpServerUpload.env) at
+            enqueue and opens them for the executor. Required only when a
+            payload carries secrets.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        config: QueueConfig | None = None,
+        secrets: SecretBox | None = None,
+    ) -> None:
+        self.db = db
+        self.config = config or QueueConfig()
+        self.secrets = secrets
+        self._codec = PayloadCodec(secrets=secrets)
+        self._wakers: set[Callable[[], None]] = set()
+
+    async def enqueue(
+        self,
+        payload: Payload,
+        *,
+        tx: Transaction | None = None,
+        owner_id: UUID | None = None,
+    ) -> UUID:
+        """
+        Add a job; return its id.
+
+        Args:
+            payload: any `Payload`, built-in or registered by the application.
+            tx: a transaction from `db.transaction()`. The job is inserted in it
+                and the worker is woken only once it commits; if it rolls back,
+                the job never existed.
+            owner_id: `build_jobs.owner_id`. Defaults to the payload's own owner
+                (the caller for Update and Rollback); required for payloads that
+                carry none (StandaloneBuild).
+
+        Raises:
+            PayloadTooLarge: the encoded payload exceeds `max_payload_bytes`.
+            SecretsNotConfigured: the payload has secrets and no key was given.
+            ValueError: no owner could be determined.
+        """
+        owner = owner_id if owner_id is not None else payload.job_owner()
+        if owner is None:
+            raise ValueError(
+                f"a {payload.kind} payload names no owner; pass enqueue(..., owner_id=<user id>)"
+            )
+        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
+        size = len(text.encode("utf-8"))
+        if size > self.config.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"{payload.kind} payload is {size} bytes; the limit is "
+                f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
+            )
+        target = payload.target()
+        args = (target.agent_id, target.connector_id, owner, text)
+        if tx is None:
+            job_id: UUID = await self.db.fetchval(Q.job_insert, *args)
+            self.wake()
+        else:
+            job_id = await tx.fetchval(Q.job_insert, *args)
+            tx.call_after_commit(self.wake)
+        return job_id
+
+    def wake(self) -> None:
+        """Wake every worker running in this process on this queue; never blocks."""
+        for wake in list(self._wakers):
+            wake()
+
+    def _add_waker(self, wake: Callable[[], None]) -> None:
+        self._wakers.add(wake)
+
+    def _remove_waker(self, wake: Callable[[], None]) -> None:
+        self._wakers.discard(wake)

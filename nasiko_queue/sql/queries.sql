@@ -1,0 +1,237 @@
+-- Every statement nasiko-queue sends, in one place.
+--
+-- Each block starts with `-- name: <table>_<verb>` and a line saying what it is
+-- for. `_sql.py` loads this file once and checks that it holds exactly the names
+-- the code uses. Constants (MAX_ATTEMPTS, STUCK_JOB_MINS, the fixed error strings)
+-- are bound as parameters from config.py/jobs.py, never spelled out here.
+
+-- name: job_insert
+-- Enqueue: a pending job with attempt 0; everything else keeps its default.
+INSERT INTO build_jobs (agent_id, connector_id, owner_id, payload)
+VALUES ($1, $2, $3, $4::jsonb)
+RETURNING id;
+
+-- name: job_claim
+-- Take up to $1 of the oldest pending jobs whose kind this worker runs ($2), or
+-- whose kind no payload type knows ($3 = every known kind; those fail as
+-- invalid). Returns the attempt from before the increment, and whether the
+-- target agent is soft-deleted, so that no second round trip is needed.
+WITH next AS (
+    SELECT id
+    FROM build_jobs
+    WHERE status = 'pending'
+      AND (payload ->> 'kind' = ANY ($2::text[])
+           OR NOT coalesce(payload ->> 'kind' = ANY ($3::text[]), false))
+    ORDER BY created_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE build_jobs AS j
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
+FROM next
+WHERE j.id = next.id
+RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
+          j.attempt - 1 AS old_attempt, j.created_at,
+          EXISTS (SELECT 1 FROM agents AS a
+                  WHERE a.id = j.agent_id AND a.deleted_at IS NOT NULL) AS target_soft_deleted;
+
+-- name: job_finish_from_build
+-- The executor returned: read its build row ($3: the connector table or the
+-- agent table) and mark the job in the same statement. 'success' is done;
+-- anything else, a missing row included, is failed with $5. Only the claim that
+-- is still ours ($1 id, $2 attempt, in_progress) is touched.
+WITH outcome AS (
+    SELECT CASE WHEN $3::boolean
+                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = $4)
+                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = $4)
+           END AS build_status
+)
+UPDATE build_jobs AS j
+SET status = CASE WHEN outcome.build_status = 'success' THEN 'done' ELSE 'failed' END,
+    error_msg = CASE WHEN outcome.build_status = 'success' THEN NULL ELSE $5 END,
+    completed_at = now()
+FROM outcome
+WHERE j.id = $1 AND j.status = 'in_progress' AND j.attempt = $2
+RETURNING j.status;
+
+-- name: job_mark
+-- Finish a claimed job with a fixed status and message (completed_at = now(),
+-- picked_at keeps the claim time). Only the claim that is still ours is touched.
+UPDATE build_jobs
+SET status = $3, error_msg = $4, completed_at = now()
+WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+RETURNING agent_id, connector_id;
+
+-- name: job_reset_to_pending
+-- Put a claimed job back at the front of the queue: after a panic with attempts
+-- left, or when a hard stop cancels its executor. The attempt stays counted.
+UPDATE build_jobs
+SET status = 'pending', picked_at = NULL
+WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+RETURNING id;
+
+-- name: jobs_fail_exhausted_stuck
+-- Recovery 1: stuck past the threshold ($1 minutes) with no attempts left ($2 =
+-- MAX_ATTEMPTS): failed with $3. Rows another session holds (a worker finishing
+-- the job, another replica's sweep) are skipped, so no target is terminalized twice.
+WITH stuck AS (
+    SELECT id
+    FROM build_jobs
+    WHERE status = 'in_progress'
+      AND picked_at < now() - make_interval(mins => $1)
+      AND attempt >= $2
+    ORDER BY id
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE build_jobs AS j
+SET status = 'failed', error_msg = $3, completed_at = now()
+FROM stuck
+WHERE j.id = stuck.id
+RETURNING j.id, j.agent_id, j.connector_id, j.payload::text AS payload;
+
+-- name: jobs_reset_stuck
+-- Recovery 2: stuck past the threshold with attempts left: back to pending.
+WITH stuck AS (
+    SELECT id
+    FROM build_jobs
+    WHERE status = 'in_progress'
+      AND picked_at < now() - make_interval(mins => $1)
+      AND attempt < $2
+    ORDER BY id
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE build_jobs AS j
+SET status = 'pending', picked_at = NULL
+FROM stuck
+WHERE j.id = stuck.id
+RETURNING j.id;
+
+-- name: agent_builds_fail_unfinished
+-- Terminalize an agent, step 1: its builds in 'building', and this job's own
+-- build ($2, may be NULL) if it is still 'queued', become 'failed'.
+UPDATE agent_builds
+SET status = 'failed'
+WHERE agent_id = $1 AND (status = 'building' OR (id = $2 AND status = 'queued'));
+
+-- name: agent_build_fail_own
+-- A job that will never run (its agent is soft-deleted): its own build row ends.
+UPDATE agent_builds
+SET status = 'failed'
+WHERE id = $1 AND status IN ('queued', 'building');
+
+-- name: agent_has_success
+-- Terminalize an agent, step 2: has it ever been built successfully?
+SELECT EXISTS (SELECT 1 FROM agent_builds WHERE agent_id = $1 AND status = 'success');
+
+-- name: agent_mark_failed
+-- Terminalize an agent that has a working build: only a deploying agent fails.
+UPDATE agents SET status = 'failed' WHERE id = $1 AND status = 'deploying';
+
+-- name: agent_delete
+-- Terminalize an agent that never built: delete it (cascades to builds and jobs).
+DELETE FROM agents WHERE id = $1;
+
+-- name: connector_builds_fail_unfinished
+-- Terminalize a connector, step 1: its pending and building builds fail.
+UPDATE mcp_connector_builds
+SET status = 'failed', completed_at = now()
+WHERE connector_id = $1 AND status IN ('pending', 'building');
+
+-- name: connector_has_success
+-- Terminalize a connector, step 2: has it ever been built successfully?
+SELECT EXISTS (SELECT 1 FROM mcp_connector_builds WHERE connector_id = $1 AND status = 'success');
+
+-- name: connector_mark_failed
+-- Terminalize a connector that has a working build: only if still pending/building.
+UPDATE mcp_connectors SET build_status = 'failed'
+WHERE id = $1 AND build_status IN ('pending', 'building');
+
+-- name: connector_delete
+-- Terminalize a connector that never built: delete it (cascades to builds and jobs).
+DELETE FROM mcp_connectors WHERE id = $1;
+
+-- name: jobs_count_by_status
+-- `status`: how many jobs are in each state.
+SELECT status, count(*) AS n FROM build_jobs GROUP BY status ORDER BY status;
+
+-- name: jobs_in_progress_summary
+-- `status`: jobs held right now, the oldest claim, and how many are past the
+-- stuck threshold ($1 minutes), i.e. waiting for the sweep.
+SELECT count(*) AS held,
+       min(picked_at) AS oldest_picked_at,
+       count(*) FILTER (WHERE picked_at < now() - make_interval(mins => $1)) AS stuck
+FROM build_jobs
+WHERE status = 'in_progress';
+
+-- name: jobs_oldest_pending_age
+-- `status`: seconds the oldest pending job has waited (NULL when none waits).
+SELECT extract(epoch FROM now() - min(created_at))::float8 FROM build_jobs WHERE status = 'pending';
+
+-- name: migrations_lock
+-- Serialize migrators across replicas for the whole run (session lock).
+SELECT pg_advisory_lock(hashtext('nasiko_queue.migrate'));
+
+-- name: migrations_unlock
+SELECT pg_advisory_unlock(hashtext('nasiko_queue.migrate'));
+
+-- name: migrations_create_table
+CREATE TABLE IF NOT EXISTS nasiko_queue_migrations (
+    version    text PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_applied
+SELECT version, name, checksum FROM nasiko_queue_migrations ORDER BY version;
+
+-- name: migrations_record
+INSERT INTO nasiko_queue_migrations (version, name, checksum) VALUES ($1, $2, $3);
+
+-- The statements below are what the application around the queue writes (the
+-- original's HTTP handlers and executors). The library uses them only in
+-- `nasiko_queue.testing` and the demo, which play the application's part.
+
+-- name: agent_insert
+-- An agent as the upload enqueue point creates it ($4: status, 'deploying').
+INSERT INTO agents (owner_id, name, status, deleted_at)
+VALUES ($1, $2, $3, CASE WHEN $4::boolean THEN now() END)
+RETURNING id;
+
+-- name: agent_build_insert
+-- A build row for an agent ($3: status, 'queued' for a new one).
+INSERT INTO agent_builds (agent_id, version_tag, image_reference, status)
+VALUES ($1, $2, $2 || '-image', $3::build_status)
+RETURNING id;
+
+-- name: connector_insert
+-- An uploaded MCP connector waiting for its first build.
+INSERT INTO mcp_connectors (owner_id, name, build_status, is_active)
+VALUES ($1, $2, 'pending', false)
+RETURNING id;
+
+-- name: connector_build_insert
+INSERT INTO mcp_connector_builds (connector_id, owner_id, version_tag, status)
+VALUES ($1, $2, $3, $4)
+RETURNING id;
+
+-- name: agent_build_set_status
+-- An executor reports on its agent build.
+UPDATE agent_builds SET status = $2::build_status WHERE id = $1;
+
+-- name: connector_build_set_status
+-- An executor reports on its connector build.
+UPDATE mcp_connector_builds
+SET status = $2, completed_at = CASE WHEN $2 IN ('success', 'failed') THEN now() END
+WHERE id = $1;
+
+-- name: agent_set_status
+UPDATE agents SET status = $2 WHERE id = $1;
+
+-- name: connector_set_build_status
+-- 'running' needs a url (chk_connectors_running_has_url); $3 may be NULL otherwise.
+UPDATE mcp_connectors SET build_status = $2, url = coalesce($3, url), is_active = ($2 = 'running')
+WHERE id = $1;
+
+-- name: agent_soft_delete
+UPDATE agents SET deleted_at = now() WHERE id = $1;

@@ -1,0 +1,413 @@
+"""
+The worker: one trio nursery that turns wake-ups into drains.
+
+Shape (SPEC §5, §8)::
+
+    run()
+      recover stuck jobs (retried until the database answers), then started()
+      nursery "timers":  the recovery timer (first tick one period after start,
+                         missed ticks skipped)
+      nursery "executors": one child task per claimed job
+      drain loop:        drain; then wait for a wake (channel of capacity 64) or
+                         the poll timeout (5 s, re-armed after every drain);
+                         coalesce the wakes that piled up; drain again
+
+A drain claims jobs until none is pending, never more at once than there are
+free executor slots (`QueueConfig.concurrency`, 1 as in the original: the
+next claim then waits for the running job). Each claimed job goes through the
+attempt cap, payload parsing and the soft-delete check before its executor
+runs in a nursery of its own, so that an exception ("panic") lands in
+`reset_panicked_job` instead of taking the worker down.
+
+Stopping: `stop()` (or closing every send side of the wake channel) lets the
+running executors finish and claims nothing more. Cancelling `run()` cancels
+the executors, and their jobs go back to pending at once, shielded, so no
+replica waits for the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+from uuid import UUID
+
+import attrs
+import trio
+
+from .config import QueueConfig
+from .errors import InvalidPayload
+from .executors import Executors, JobContext
+from .jobs import (
+    INVALID_PAYLOAD,
+    JOB_PANICKED,
+    MAX_ATTEMPTS_EXCEEDED,
+    TARGET_DELETED,
+    ClaimedJob,
+    JobStore,
+    PgJobStore,
+    RecoveryResult,
+)
+from .payloads import BUILTIN_PAYLOAD_TYPES, Payload, PayloadCodec, Target, raw_build_id
+from .queue import Queue
+
+log = logging.getLogger("nasiko_queue.worker")
+
+T = TypeVar("T")
+
+
+@attrs.define
+class WorkerStats:
+    """Counters since the worker started; for tests, `status` and benchmarks."""
+
+    drains_started: int = 0
+    drains_completed: int = 0
+    claimed: int = 0
+    done: int = 0
+    failed: int = 0
+    panicked: int = 0
+    released: int = 0
+    recoveries: int = 0
+    claim_errors: int = 0
+    running: int = 0
+
+
+class Worker:
+    """
+    Runs jobs from one queue with one registry of executors.
+
+    >>> worker = Worker(queue, executors)
+    >>> async with trio.open_nursery() as nursery:
+    ...     await nursery.start(worker.run)
+    ...     await queue.enqueue(payload)      # wakes this worker after commit
+    ...     worker.stop()                     # graceful: running jobs finish
+
+    Args:
+        queue: the queue to drain; its config supplies every constant.
+        executors: one executor per kind this worker runs; it claims only those
+            kinds (plus kinds no payload type knows, which fail as invalid).
+        store: the database operations; `PgJobStore` unless a test gives a fake.
+    """
+
+    def __init__(
+        self,
+        queue: Queue,
+        executors: Executors,
+        *,
+        store: JobStore | None = None,
+    ) -> None:
+        if not len(executors):
+            raise ValueError("a worker needs at least one registered executor")
+        self.queue = queue
+        self.config: QueueConfig = queue.config
+        self.executors = executors
+        types = {t.kind: t for t in BUILTIN_PAYLOAD_TYPES}
+        types.update({t.kind: t for t in executors.payload_types})
+        self._codec = PayloadCodec(types=types.values(), secrets=queue.secrets)
+        self._store: JobStore = store or PgJobStore(
+            queue.db,
+            self.config,
+            runnable_kinds=executors.kinds,
+            known_kinds=frozenset(types),
+        )
+        self._wake_send, self._wake_recv = trio.open_memory_channel[None](
+            self.config.wake_capacity
+        )
+        self._slots = trio.Semaphore(self.config.concurrency)
+        self._stopping = False
+        self._started = False
+        self._changed = trio.Event()
+        self.stats = WorkerStats()
+
+    # -- signals -----------------------------------------------------------
+
+    def wake(self) -> None:
+        """Ask for a drain. Never blocks: a wake that does not fit is dropped."""
+        try:
+            self._wake_send.send_nowait(None)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def stop(self) -> None:
+        """Graceful stop: claim nothing more, let running executors finish, return."""
+        self._stopping = True
+        self._wake_send.close()
+
+    async def drain_once(self) -> None:
+        """
+        Wake the worker and wait until a drain that began after this call is over.
+
+        "Over" means the claim found nothing runnable and no executor is running.
+        Meant for tests and tools that need to know the queue has been worked,
+        without sleeping.
+        """
+        target = self.stats.drains_started + 1
+        self.wake()
+        while not (self.stats.drains_completed >= target and self.stats.running == 0):
+            if self._stopping:
+                raise RuntimeError("the worker is stopping; no further drain will run")
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- the loop -------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """
+        Run until stopped (returns) or cancelled (running jobs go back to pending).
+
+        Use with `nursery.start(worker.run)`: it reports itself started once the
+        startup recovery sweep has run.
+        """
+        if self._started:
+            raise RuntimeError("a Worker runs once; create a new one")
+        self._started = True
+        await self._until_success("startup recovery", self._recover)
+        self.queue._add_waker(self.wake)
+        try:
+            async with trio.open_nursery() as timers:
+                timers.start_soon(self._recovery_timer)
+                async with trio.open_nursery() as executors:
+                    task_status.started()
+                    log.info("worker started (kinds: %s)", ", ".join(sorted(self.executors)))
+                    await self._drain_loop(executors)
+                # Every executor has finished; the timers have nothing left to guard.
+                timers.cancel_scope.cancel()
+        finally:
+            self.queue._remove_waker(self.wake)
+            self._stopping = True
+            self._notify()
+        log.info("worker stopped")
+
+    async def _drain_loop(self, executors: trio.Nursery) -> None:
+        while True:
+            await self._drain(executors)
+            if self._stopping:
+                return
+            with trio.move_on_after(self.config.poll_interval):
+                try:
+                    await self._wake_recv.receive()
+                except trio.EndOfChannel:
+                    return
+            # Wakes that arrived during the drain are all answered by the next one.
+            while True:
+                try:
+                    self._wake_recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                except trio.EndOfChannel:
+                    return
+            if self._stopping:
+                return
+
+    async def _drain(self, executors: trio.Nursery) -> None:
+        """Claim and start jobs until none is pending (or a claim fails)."""
+        self.stats.drains_started += 1
+        try:
+            while not self._stopping:
+                await self._slots.acquire()
+                free = 1
+                while True:  # claim as many jobs as there are free slots
+                    try:
+                        self._slots.acquire_nowait()
+                    except trio.WouldBlock:
+                        break
+                    free += 1
+                if self._stopping:
+                    self._release_slots(free)
+                    return
+                try:
+                    jobs = await self._store.claim(free)
+                except Exception:
+                    self.stats.claim_errors += 1
+                    self._release_slots(free)
+                    log.exception("claim failed; waiting for the next wake or poll")
+                    return
+                self._release_slots(free - len(jobs))
+                if not jobs:
+                    return
+                self.stats.claimed += len(jobs)
+                for job in jobs:
+                    self.stats.running += 1
+                    executors.start_soon(self._run_job, job, name=f"job {job.id}")
+        finally:
+            self.stats.drains_completed += 1
+            self._notify()
+
+    def _release_slots(self, n: int) -> None:
+        for _ in range(n):
+            self._slots.release()
+
+    # -- one job --------------------------------------------------------------
+
+    async def _run_job(self, job: ClaimedJob) -> None:
+        try:
+            await self._process(job)
+        finally:
+            self.stats.running -= 1
+            self._slots.release()
+            self._notify()
+
+    async def _process(self, job: ClaimedJob) -> None:
+        cfg = self.config
+        store = self._store
+        if job.old_attempt >= cfg.max_attempts:
+            log.warning("job %s: attempt %d exceeds the cap; failing", job.id, job.attempt)
+            await self._fail(job, MAX_ATTEMPTS_EXCEEDED, own_build_id=_raw_build_id(job))
+            return
+        try:
+            payload = self._codec.decode(json.loads(job.payload))
+        except (InvalidPayload, ValueError) as exc:
+            log.warning("job %s: invalid payload: %s", job.id, exc)
+            await self._fail(job, INVALID_PAYLOAD, own_build_id=_raw_build_id(job))
+            return
+        if job.target_soft_deleted:
+            log.warning("job %s (%s %s): target agent is deleted; not running", job.id,
+                        payload.kind, payload.label())
+            await self._fail(job, TARGET_DELETED, own_build_id=payload.build_id, terminalize=False)
+            return
+        executor = self.executors.executor_for(payload.kind)
+        if executor is None:  # the claim filters on our kinds, so this is a bug
+            raise RuntimeError(f"claimed a {payload.kind} job without an executor for it")
+        ctx = JobContext(
+            job_id=job.id,
+            attempt=job.attempt,
+            payload=payload,
+            owner_id=job.owner_id,
+            target=Target(agent_id=job.agent_id, connector_id=job.connector_id),
+            db=self.queue.db,
+        )
+        log.info("job %s (%s %s): attempt %d starting", job.id, payload.kind, payload.label(),
+                 job.attempt)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(executor, ctx)
+        except Exception as exc:  # the executor raised: an ExceptionGroup from its nursery
+            self.stats.panicked += 1
+            log.error("job %s (%s %s) panicked on attempt %d", job.id, payload.kind,
+                      payload.label(), job.attempt, exc_info=exc)
+            await self._reset_panicked_job(job, payload)
+            return
+        except BaseException:
+            # Cancelled: a hard stop. The job never finished; hand it back now.
+            await self._release(job)
+            raise
+        status = await self._final("finish", lambda: store.finish_from_build(job, payload.build_id))
+        if status is not None:
+            if status == "done":
+                self.stats.done += 1
+            else:
+                self.stats.failed += 1
+        log.info("job %s (%s %s): %s", job.id, payload.kind, payload.label(), status or "gone")
+
+    async def _reset_panicked_job(self, job: ClaimedJob, payload: Payload) -> None:
+        """
+        SPEC §5 [decision]: the documented rule, old_attempt + 1 >= MAX_ATTEMPTS fails.
+
+        So a job that always raises runs exactly MAX_ATTEMPTS times and ends
+        failed with attempt = MAX_ATTEMPTS; otherwise it goes back to the front
+        of the queue, and this drain retries it at once.
+        """
+        if job.old_attempt + 1 >= self.config.max_attempts:
+            await self._fail(job, JOB_PANICKED, own_build_id=payload.build_id)
+        else:
+            await self._final("reset", lambda: self._store.reset(job))
+
+    async def _fail(
+        self, job: ClaimedJob, message: str, *, own_build_id: UUID | None, terminalize: bool = True
+    ) -> None:
+        ours = await self._final(
+            "fail",
+            lambda: self._store.fail(
+                job, message, own_build_id=own_build_id, terminalize=terminalize
+            ),
+        )
+        if ours:
+            self.stats.failed += 1
+
+    async def _release(self, job: ClaimedJob) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+            try:
+                if await self._store.reset(job):
+                    self.stats.released += 1
+                    log.warning("job %s: cancelled by a hard stop; back to pending", job.id)
+            except Exception:
+                log.exception("job %s: could not be put back after a hard stop; "
+                              "the recovery sweep will", job.id)
+
+    async def _final(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """
+        A final update: retried with backoff until it succeeds (SPEC §5 [decision]).
+
+        A finished job's result must not be lost, or the sweep would run the
+        build again. If a hard stop cancels the retries, one last shielded,
+        bounded attempt is made.
+        """
+        delay = self.config.retry_initial_delay
+        while True:
+            try:
+                return await op()
+            except Exception:
+                log.warning("%s update failed; retrying in %.2fs", what, delay, exc_info=True)
+            try:
+                await trio.sleep(delay)
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True), \
+                        trio.move_on_after(self.config.cleanup_timeout):
+                    try:
+                        await op()
+                    except Exception:
+                        log.exception("last %s update failed; the sweep will recover the job",
+                                      what)
+                raise
+            delay = min(delay * 2, self.config.retry_max_delay)
+
+    # -- recovery -------------------------------------------------------------
+
+    async def _recover(self) -> RecoveryResult:
+        result = await self._store.recover()
+        self.stats.recoveries += 1
+        return result
+
+    async def _recovery_timer(self) -> None:
+        """Sweep every `recovery_interval`; first tick one period in, missed ticks skipped."""
+        period = self.config.recovery_interval
+        next_tick = trio.current_time() + period
+        while True:
+            await trio.sleep_until(next_tick)
+            try:
+                await self._recover()
+            except Exception:
+                log.exception("recovery sweep failed; next one in %.0fs", period)
+            now = trio.current_time()
+            next_tick += period
+            if next_tick <= now:  # the sweep overran: skip, never replay, missed ticks
+                next_tick += math.ceil((now - next_tick) / period) * period
+                if next_tick <= now:
+                    next_tick += period
+
+    async def _until_success(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        delay = self.config.retry_initial_delay
+        while True:
+            try:
+                return await op()
+            except Exception as exc:
+                log.warning("%s failed (%s); retrying in %.2fs", what, _one_line(exc), delay)
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.config.retry_max_delay)
+
+
+def _raw_build_id(job: ClaimedJob) -> UUID | None:
+    try:
+        return raw_build_id(json.loads(job.payload))
+    except ValueError:
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
