@@ -53,6 +53,13 @@ class Queries:
     agent_set_status: str
     connector_set_build_status: str
     agent_soft_delete: str
+    job_get: str
+    job_set_attempt: str
+    jobs_count_unfinished: str
+    agent_get: str
+    agent_build_get_status: str
+    connector_get: str
+    connector_build_get_status: str
 
 
 def parse(text: str) -> dict[str, str]:

@@ -149,7 +149,10 @@ class Database:
         whose rollback did not finish is closed rather than returned.
         """
         conn = await self._cross(self._pool.acquire(timeout=self.config.connect_timeout))
-        healthy = True
+        # Reused only when we know its state: committed, or rolled back cleanly.
+        # A BEGIN or COMMIT interrupted half-way leaves asyncpg and the server
+        # disagreeing about the transaction; such a connection is closed.
+        reusable = False
         try:
             aio_tx = conn.transaction()
             await self._cross(aio_tx.start())
@@ -157,7 +160,7 @@ class Database:
             try:
                 yield tx
             except BaseException:
-                healthy = await self._cleanup(aio_tx.rollback(), "rollback")
+                reusable = await self._cleanup(aio_tx.rollback(), "rollback")
                 raise
             # A commit must not be torn in half by a cancellation: either it is
             # sent and answered, or the bounded shield gives up and we discard
@@ -166,12 +169,12 @@ class Database:
                 with trio.move_on_after(self.config.command_timeout) as scope:
                     await self._cross(aio_tx.commit())
                 if scope.cancelled_caught:
-                    healthy = False
                     raise TimeoutError("COMMIT did not complete in time; outcome unknown")
+            reusable = True
             for callback in tx._after_commit:
                 callback()
         finally:
-            if not healthy:
+            if not reusable:
                 conn.terminate()
             await self._cleanup(self._pool.release(conn), "release")
 
@@ -235,8 +238,25 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
+def _log_asyncio_error(loop: Any, context: dict[str, Any]) -> None:
+    """
+    Log what asyncio reports as unhandled, instead of crashing the loop.
+
+    trio-asyncio's default handler re-raises these errors into the loop's
+    nursery, which tears the whole loop (and every worker on it) down. asyncpg
+    leaves exactly such an error behind when a connection is lost mid-query
+    ("Future exception was never retrieved: unexpected connection_lost()"),
+    which is an outage the worker must survive, not die of.
+    """
+    exc = context.get("exception")
+    detail = f"{type(exc).__name__}: {exc}" if exc is not None else ""
+    log.warning("asyncio: %s %s", context.get("message", "unhandled error"), detail)
+
+
 @asynccontextmanager
 async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
+    if loop.get_exception_handler() is None:
+        loop.set_exception_handler(_log_asyncio_error)
     pool = await loop.run_aio_coroutine(
         asyncpg.create_pool(
             config.dsn,

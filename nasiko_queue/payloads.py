@@ -682,8 +682,10 @@ class PayloadCodec:
         owner = payload.secret_owner()
         values: dict[str, Secret] = {}
         for key, token in raw.items():
-            if self._secrets is None or owner is None:
+            if self._secrets is None:
                 reason = "no secrets master key is configured"
+            elif owner is None:
+                reason = "the payload names no secret owner"
             else:
                 try:
                     values[key] = Secret(self._secrets.open(owner, key, token))

@@ -235,3 +235,32 @@ WHERE id = $1;
 
 -- name: agent_soft_delete
 UPDATE agents SET deleted_at = now() WHERE id = $1;
+
+-- The statements below read back what happened, for `nasiko_queue.demo` (its
+-- report) and for tests; `job_set_attempt` stages a job that has already run.
+
+-- name: job_get
+-- One job as a person debugging it wants to see it (NULL when the row is gone).
+SELECT status, attempt, error_msg, payload::text AS payload FROM build_jobs WHERE id = $1;
+
+-- name: job_set_attempt
+-- Stage a job that has already run $2 times (the demo's attempt-cap scenario).
+UPDATE build_jobs SET attempt = $2 WHERE id = $1;
+
+-- name: jobs_count_unfinished
+-- How many of the given jobs ($1) are still pending or in progress; a job whose
+-- row is gone (its target was deleted) counts as finished.
+SELECT count(*) FROM build_jobs
+WHERE id = ANY ($1::uuid[]) AND status IN ('pending', 'in_progress');
+
+-- name: agent_get
+SELECT status, deleted_at IS NOT NULL AS soft_deleted FROM agents WHERE id = $1;
+
+-- name: agent_build_get_status
+SELECT status::text FROM agent_builds WHERE id = $1;
+
+-- name: connector_get
+SELECT build_status, url FROM mcp_connectors WHERE id = $1;
+
+-- name: connector_build_get_status
+SELECT status FROM mcp_connector_builds WHERE id = $1;

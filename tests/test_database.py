@@ -1,0 +1,127 @@
+"""
+The database layer: no connection leaks under cancellation, reconnects after
+the server goes away (a private server, so the shared one is never touched).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from nasiko_queue import Database, DatabaseConfig, Queue, Worker, migrate, open_database
+from nasiko_queue.embedded import EmbeddedPostgres
+from nasiko_queue.testing import enqueue_with_target
+
+from .conftest import FAST
+from .helpers import LogEvent, executors_for_all, job_row, running, succeed
+
+
+def _pool_stats(db: Database) -> tuple[int, int]:
+    pool = db._pool
+    return pool.get_size(), pool.get_idle_size()
+
+
+async def test_cancelled_queries_do_not_leak_connections(dsn: str) -> None:
+    """With a pool of ONE connection, 50 cancelled operations and transactions later
+    the connection is still returned and usable (a leak would hang here)."""
+    async with open_database(DatabaseConfig(dsn=dsn, max_connections=1)) as db:
+        for i in range(50):
+            with trio.move_on_after(0.001 * (i % 5)):
+                if i % 2:
+                    await db.execute("SELECT pg_sleep(1)")
+                else:
+                    async with db.transaction() as tx:
+                        await tx.execute("CREATE TEMP TABLE IF NOT EXISTS t (x int)")
+                        await tx.execute("SELECT pg_sleep(1)")
+        with trio.fail_after(10):
+            assert await db.fetchval("SELECT 42") == 42
+            async with db.transaction() as tx:
+                assert await tx.fetchval("SELECT 1") == 1
+        assert _pool_stats(db) == (1, 1)
+
+
+async def test_cancelled_transaction_rolls_back(dsn: str) -> None:
+    async with open_database(DatabaseConfig(dsn=dsn, max_connections=1)) as db:
+        await db.execute("CREATE TABLE marks (x int)")
+        with trio.move_on_after(0.2):
+            async with db.transaction() as tx:
+                await tx.execute("INSERT INTO marks VALUES (1)")
+                await trio.sleep_forever()
+        assert await db.fetchval("SELECT count(*) FROM marks") == 0
+        # The connection is clean: a new transaction is a transaction, not a savepoint.
+        async with db.transaction() as tx:
+            await tx.execute("INSERT INTO marks VALUES (2)")
+        assert await db.fetchval("SELECT count(*) FROM marks") == 1
+
+
+async def test_body_exception_is_not_wrapped(dsn: str) -> None:
+    with pytest.raises(KeyError):
+        async with open_database(dsn):
+            raise KeyError("mine")
+
+
+@pytest.fixture
+def private_server() -> Any:
+    with EmbeddedPostgres() as server:
+        yield server
+
+
+async def test_worker_survives_a_server_restart(private_server: EmbeddedPostgres) -> None:
+    async with open_database(DatabaseConfig(dsn=private_server.dsn, connect_timeout=2)) as db:
+        await migrate(db)
+        queue = Queue(db, config=FAST)
+        first = await enqueue_with_target(queue, "Upload")
+        async with running(queue, executors_for_all(succeed)) as worker:
+            await worker.drain_once()
+            await trio.to_thread.run_sync(private_server.stop)
+            with LogEvent("claim failed") as failing:
+                await worker.drain_once()  # the claim fails; the worker lives on
+                assert failing.count >= 1
+            await trio.to_thread.run_sync(private_server.start)
+            second = await enqueue_with_target(queue, "Upload")
+            await worker.drain_once()
+        for job in (first, second):
+            assert (await job_row(db, job.job_id) or {})["status"] == "done"
+
+
+async def test_worker_waits_for_an_unreachable_server(private_server: EmbeddedPostgres) -> None:
+    """Started while the server is down, the worker retries its startup sweep and
+    reports itself started only once the database answers; then it works."""
+    async with open_database(DatabaseConfig(dsn=private_server.dsn, connect_timeout=2)) as db:
+        await migrate(db)
+        queue = Queue(db, config=FAST)
+        job = await enqueue_with_target(queue, "Upload")
+        await trio.to_thread.run_sync(private_server.stop)
+        worker = Worker(queue, executors_for_all(succeed))
+        started = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def start() -> None:
+                await nursery.start(worker.run)
+                started.set()
+
+            with LogEvent("startup recovery failed") as failing:
+                nursery.start_soon(start)
+                await failing.event.wait()
+                assert not started.is_set()
+                await trio.to_thread.run_sync(private_server.start)
+                await started.wait()
+            await worker.drain_once()
+            worker.stop()
+        assert (await job_row(db, job.job_id) or {})["status"] == "done"
+
+
+async def test_connection_terminated_by_the_server(dsn: str, queue: Queue) -> None:
+    job = await enqueue_with_target(queue, "Upload")
+    async with running(queue, executors_for_all(succeed)) as worker:
+        await worker.drain_once()
+        await queue.db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        second = await enqueue_with_target(queue, "Upload")
+        await worker.drain_once()
+        await worker.drain_once()
+    for j in (job, second):
+        assert (await job_row(queue.db, j.job_id) or {})["status"] == "done"

@@ -1,0 +1,119 @@
+"""Enqueue (SPEC §4): inside the caller's transaction, wake after commit, never block."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import trio
+
+from nasiko_queue import PayloadTooLarge, Queue, QueueConfig, StandaloneBuild, Worker
+from nasiko_queue.errors import SecretsNotConfigured
+from nasiko_queue.testing import enqueue_with_target, insert_agent, insert_agent_build, \
+    make_payload
+
+from .helpers import executors_for_all, job_row, succeed
+
+
+def _buffered(worker: Worker) -> int:
+    return worker._wake_send.statistics().current_buffer_used
+
+
+async def test_job_commits_with_the_callers_rows_and_wakes_after_commit(queue: Queue) -> None:
+    worker = Worker(queue, executors_for_all(succeed))
+    queue._add_waker(worker.wake)
+    owner = uuid.uuid4()
+    async with queue.db.transaction() as tx:
+        agent = await insert_agent(tx, owner_id=owner)
+        build = await insert_agent_build(tx, agent)
+        job_id = await queue.enqueue(
+            make_payload("Upload", target_id=agent, build_id=build, owner_id=owner), tx=tx)
+        assert _buffered(worker) == 0  # not before commit
+        # Invisible to everyone else until commit.
+        assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+    assert _buffered(worker) == 1
+    row = await job_row(queue.db, job_id)
+    assert row is not None
+    assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 0, None)
+
+
+async def test_rolled_back_transaction_leaves_no_job_and_no_wake(queue: Queue) -> None:
+    worker = Worker(queue, executors_for_all(succeed))
+    queue._add_waker(worker.wake)
+    owner = uuid.uuid4()
+    with pytest.raises(RuntimeError, match="handler failed"):
+        async with queue.db.transaction() as tx:
+            agent = await insert_agent(tx, owner_id=owner)
+            build = await insert_agent_build(tx, agent)
+            await queue.enqueue(
+                make_payload("Upload", target_id=agent, build_id=build, owner_id=owner), tx=tx)
+            raise RuntimeError("handler failed")
+    assert _buffered(worker) == 0
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+    assert await queue.db.fetchval("SELECT count(*) FROM agents") == 0
+
+
+async def test_wake_never_blocks_when_the_channel_is_full(queue: Queue) -> None:
+    """[decision] 64 wakes fill the channel; the 65th and later are dropped at once."""
+    worker = Worker(queue, executors_for_all(succeed))
+    queue._add_waker(worker.wake)
+    with trio.fail_after(5):  # generous: this must not wait at all
+        for _ in range(queue.config.wake_capacity):
+            await enqueue_with_target(queue, "Upload")
+        assert _buffered(worker) == queue.config.wake_capacity
+        await enqueue_with_target(queue, "Upload")
+        for _ in range(1000):
+            worker.wake()
+    assert _buffered(worker) == queue.config.wake_capacity
+    # Nothing was lost: one drain runs all 65.
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await worker.drain_once()
+        worker.stop()
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs WHERE status='done'") == 65
+
+
+async def test_wake_after_stop_is_harmless(queue: Queue) -> None:
+    worker = Worker(queue, executors_for_all(succeed))
+    worker.stop()
+    worker.wake()  # closed channel: dropped, no exception
+
+
+async def test_oversized_payload_is_refused(db: object) -> None:
+    from .conftest import MASTER_KEY
+
+    queue = Queue(db, config=QueueConfig(max_payload_bytes=2048), secrets=MASTER_KEY)  # type: ignore[arg-type]
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    payload = make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner,
+                           env={"BIG": "x" * 5000})
+    with pytest.raises(PayloadTooLarge, match="max_payload_bytes"):
+        await queue.enqueue(payload)
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+
+
+async def test_payload_without_owner_needs_one(queue: Queue) -> None:
+    agent = await insert_agent(queue.db, owner_id=uuid.uuid4())
+    payload = StandaloneBuild(build_id=uuid.uuid4(), agent_id=agent, agent_name="a",
+                              version_tag="v1")
+    with pytest.raises(ValueError, match="owner_id"):
+        await queue.enqueue(payload)
+    owner = uuid.uuid4()
+    job_id = await queue.enqueue(payload, owner_id=owner)
+    assert await queue.db.fetchval("SELECT owner_id FROM build_jobs WHERE id=$1", job_id) == owner
+
+
+async def test_owner_is_the_caller_for_rollback(queue: Queue) -> None:
+    job = await enqueue_with_target(queue, "Rollback")
+    stored = await queue.db.fetchrow(
+        "SELECT owner_id, payload->>'caller_id' AS caller, payload->>'kind' AS kind "
+        "FROM build_jobs WHERE id = $1", job.job_id)
+    assert stored is not None
+    assert (stored["kind"], str(stored["owner_id"])) == ("Rollback", stored["caller"])
+
+
+async def test_secrets_need_a_key(db: object) -> None:
+    queue = Queue(db)  # type: ignore[arg-type]
+    with pytest.raises(SecretsNotConfigured):
+        await enqueue_with_target(queue, "McpServerUpload", env={"TOKEN": "x"})
+    assert await queue.db.fetchval("SELECT count(*) FROM mcp_connectors") == 0
