@@ -75,10 +75,12 @@ class Transaction:
         self._after_commit: list[Callable[[], None]] = []
 
     async def execute(self, query: str, *args: Any) -> str:
-        return await self._db._cross(self._conn.execute(query, *args))  # type: ignore[no-any-return]
+        result: str = await self._db._cross(self._conn.execute(query, *args))
+        return result
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        return await self._db._cross(self._conn.fetch(query, *args))  # type: ignore[no-any-return]
+        rows: list[asyncpg.Record] = await self._db._cross(self._conn.fetch(query, *args))
+        return rows
 
     async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
         return await self._db._cross(self._conn.fetchrow(query, *args))

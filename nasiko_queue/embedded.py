@@ -116,7 +116,7 @@ class EmbeddedPostgres:
 
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run(
+            return subprocess.run(  # noqa: S603 (our own binaries, arguments we built)
                 [str(self.bindir / args[0]), *args[1:]],
                 check=True,
                 capture_output=True,

@@ -155,7 +155,8 @@ class PgJobStore:
             BUILD_FAILED,
         )
         if status is None:
-            log.info("job %s finished but its row is gone or no longer ours; nothing to mark", job.id)
+            log.info("job %s finished but its row is gone or no longer ours; nothing to mark",
+                     job.id)
             return None
         return JobStatus(status)
 

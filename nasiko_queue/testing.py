@@ -106,7 +106,7 @@ def make_payload(
     common_env = dict(env or {})
     if kind == "Upload":
         return Upload(build_id=build_id, agent_id=target_id, owner_id=owner_id,
-                      upload_id=str(build_id), name=name, zip_path=f"/tmp/{name}.zip",
+                      upload_id=str(build_id), name=name, zip_path=f"/srv/uploads/{name}.zip",
                       image_tag=f"{name}:v1", ports=(8000,), env=common_env, writable=False)
     if kind == "Update":
         return Update(build_id=build_id, agent_id=target_id, owner_id=owner_id,
@@ -122,7 +122,7 @@ def make_payload(
                                version_tag="v1")
     if kind == "Clone":
         return Clone(build_id=build_id, agent_id=target_id, owner_id=owner_id,
-                     upload_id=str(build_id), name=name, tar_gz_path=f"/tmp/{name}.tar.gz",
+                     upload_id=str(build_id), name=name, tar_gz_path=f"/srv/uploads/{name}.tar.gz",
                      image_tag=f"{name}:v1", ports=(8000,), env=common_env)
     if kind == "GithubClone":
         return GithubClone(build_id=build_id, agent_id=target_id, owner_id=owner_id,
@@ -131,7 +131,7 @@ def make_payload(
                            image_tag=f"{name}:v1", ports=(8000,), env=common_env)
     if kind == "McpServerUpload":
         source = (GithubSource(url=f"https://github.com/example/{name}") if len(name) % 2
-                  else ZipSource(zip_path=f"/tmp/{name}.zip"))
+                  else ZipSource(zip_path=f"/srv/uploads/{name}.zip"))
         return McpServerUpload(build_id=build_id, connector_id=target_id, owner_id=owner_id,
                                name=name, source=source, image_tag=f"{name}:v1",
                                env={k: Secret(v) for k, v in common_env.items()})

@@ -27,6 +27,7 @@ replica waits for the sweep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -116,7 +117,7 @@ class Worker:
             self.config.wake_capacity
         )
         self._slots = trio.Semaphore(self.config.concurrency)
-        self._stopping = False
+        self._stop = trio.Event()
         self._started = False
         self._changed = trio.Event()
         self.stats = WorkerStats()
@@ -125,14 +126,13 @@ class Worker:
 
     def wake(self) -> None:
         """Ask for a drain. Never blocks: a wake that does not fit is dropped."""
-        try:
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError,
+                                 trio.BrokenResourceError):
             self._wake_send.send_nowait(None)
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
 
     def stop(self) -> None:
         """Graceful stop: claim nothing more, let running executors finish, return."""
-        self._stopping = True
+        self._stop.set()
         self._wake_send.close()
 
     async def drain_once(self) -> None:
@@ -146,7 +146,7 @@ class Worker:
         target = self.stats.drains_started + 1
         self.wake()
         while not (self.stats.drains_completed >= target and self.stats.running == 0):
-            if self._stopping:
+            if self._stop.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await self._changed.wait()
 
@@ -179,14 +179,14 @@ class Worker:
                 timers.cancel_scope.cancel()
         finally:
             self.queue._remove_waker(self.wake)
-            self._stopping = True
+            self._stop.set()
             self._notify()
         log.info("worker stopped")
 
     async def _drain_loop(self, executors: trio.Nursery) -> None:
         while True:
             await self._drain(executors)
-            if self._stopping:
+            if self._stop.is_set():
                 return
             with trio.move_on_after(self.config.poll_interval):
                 try:
@@ -201,14 +201,14 @@ class Worker:
                     break
                 except trio.EndOfChannel:
                     return
-            if self._stopping:
+            if self._stop.is_set():
                 return
 
     async def _drain(self, executors: trio.Nursery) -> None:
         """Claim and start jobs until none is pending (or a claim fails)."""
         self.stats.drains_started += 1
         try:
-            while not self._stopping:
+            while not self._stop.is_set():
                 await self._slots.acquire()
                 free = 1
                 while True:  # claim as many jobs as there are free slots
@@ -217,7 +217,7 @@ class Worker:
                     except trio.WouldBlock:
                         break
                     free += 1
-                if self._stopping:
+                if self._stop.is_set():
                     self._release_slots(free)
                     return
                 try:

@@ -11,10 +11,10 @@ from uuid import UUID
 import trio
 
 from nasiko_queue import Database, Executors, Queue, Worker
-from nasiko_queue.testing import KINDS, set_build_status
 
 #: The payload type of each built-in kind.
 from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.testing import KINDS, set_build_status
 
 TYPES = {t.kind: t for t in BUILTIN_PAYLOAD_TYPES}
 

@@ -9,8 +9,7 @@ import trio
 
 from nasiko_queue import PayloadTooLarge, Queue, QueueConfig, StandaloneBuild, Worker
 from nasiko_queue.errors import SecretsNotConfigured
-from nasiko_queue.testing import enqueue_with_target, insert_agent, insert_agent_build, \
-    make_payload
+from nasiko_queue.testing import enqueue_with_target, insert_agent, insert_agent_build, make_payload
 
 from .helpers import executors_for_all, job_row, succeed
 
@@ -41,13 +40,17 @@ async def test_rolled_back_transaction_leaves_no_job_and_no_wake(queue: Queue) -
     worker = Worker(queue, executors_for_all(succeed))
     queue._add_waker(worker.wake)
     owner = uuid.uuid4()
-    with pytest.raises(RuntimeError, match="handler failed"):
+
+    async def handler() -> None:
         async with queue.db.transaction() as tx:
             agent = await insert_agent(tx, owner_id=owner)
             build = await insert_agent_build(tx, agent)
             await queue.enqueue(
                 make_payload("Upload", target_id=agent, build_id=build, owner_id=owner), tx=tx)
             raise RuntimeError("handler failed")
+
+    with pytest.raises(RuntimeError, match="handler failed"):
+        await handler()
     assert _buffered(worker) == 0
     assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
     assert await queue.db.fetchval("SELECT count(*) FROM agents") == 0

@@ -82,14 +82,14 @@ async def test_failed_final_update_is_retried_until_it_lands(
         await queue.db.execute("UPDATE build_jobs SET attempt = 2 WHERE id = $1", job.job_id)
     await faults.execute("INSERT INTO faults VALUES ('final')")
     with LogEvent("update failed; retrying") as failing:
-        async with running(queue, executors_for_all(run)) as worker:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(worker.drain_once)
-                await failing.event.wait()
-                row = await job_row(queue.db, job.job_id)
-                assert row is not None
-                assert row["status"] == "in_progress"
-                await faults.execute("DELETE FROM faults")
+        async with running(queue, executors_for_all(run)) as worker, \
+                trio.open_nursery() as nursery:
+            nursery.start_soon(worker.drain_once)
+            await failing.event.wait()
+            row = await job_row(queue.db, job.job_id)
+            assert row is not None
+            assert row["status"] == "in_progress"
+            await faults.execute("DELETE FROM faults")
     row = await job_row(queue.db, job.job_id)
     assert row is not None
     expected = {

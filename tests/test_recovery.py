@@ -10,8 +10,15 @@ from nasiko_queue import Queue
 from nasiko_queue.jobs import MAX_ATTEMPTS_EXCEEDED, PgJobStore, RecoveryResult
 from nasiko_queue.testing import enqueue_with_target
 
-from .helpers import agent_state, build_state, connector_state, executors_for_all, job_row, \
-    running, succeed
+from .helpers import (
+    agent_state,
+    build_state,
+    connector_state,
+    executors_for_all,
+    job_row,
+    running,
+    succeed,
+)
 
 
 async def _stick(queue: Queue, job_id: Any, *, attempt: int, minutes_ago: int) -> None:

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 import trio
+import trio.lowlevel
 
 from nasiko_queue import JobContext, Queue, Worker, open_database
 from nasiko_queue.testing import enqueue_with_target
@@ -22,7 +23,7 @@ async def test_two_replicas_never_claim_the_same_job(dsn: str, queue: Queue) -> 
         async def run(ctx: JobContext[Any]) -> None:
             runs[ctx.job_id] += 1
             by_worker[index] += 1
-            await trio.sleep(0)  # let the other replica interleave
+            await trio.lowlevel.checkpoint()  # let the other replica interleave
             await succeed(ctx)
         return run
 

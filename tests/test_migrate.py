@@ -1,0 +1,98 @@
+"""The migrator: in order, recorded, idempotent, one transaction each, replica-safe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from nasiko_queue import MigrationError, migrate, open_database
+from nasiko_queue.migrate import Migration, load_migrations
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_files_are_found_in_order() -> None:
+    versions = [m.version for m in load_migrations()]
+    assert versions == sorted(versions)
+    assert versions[:2] == ["0001", "0003"]
+
+
+async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
+    async with open_database(empty_dsn) as db:
+        assert await migrate(db) == ["0001", "0003"]
+        assert await migrate(db) == []
+        recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
+                                  "ORDER BY version")
+        assert [(r["version"], r["name"]) for r in recorded] == [
+            ("0001", "schema"), ("0003", "mcp")]
+        cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
+                for r in await db.fetch(
+                    "SELECT column_name, data_type, is_nullable, column_default "
+                    "FROM information_schema.columns WHERE table_name = 'build_jobs'")}
+        assert cols["status"][0] == "text"
+        assert cols["status"][2] == "'pending'::text"
+        assert cols["attempt"][1:] == ("NO", "0")
+        assert cols["agent_id"][1] == "YES"
+        assert cols["connector_id"][1] == "YES"
+        indexes = {r["indexname"]: r["indexdef"] for r in await db.fetch(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'build_jobs'")}
+        assert "WHERE (status = ANY" in indexes["build_jobs_work_queue"]
+        assert "WHERE (connector_id IS NOT NULL)" in indexes["idx_build_jobs_connector"]
+
+
+async def test_one_target_check(dsn: str) -> None:
+    import asyncpg
+
+    async with open_database(dsn) as db:
+        with pytest.raises(asyncpg.CheckViolationError, match="chk_build_jobs_one_target"):
+            await db.execute("INSERT INTO build_jobs (owner_id, payload) "
+                             "VALUES (gen_random_uuid(), '{}')")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await db.execute("INSERT INTO build_jobs (owner_id, payload, status) "
+                             "VALUES (gen_random_uuid(), '{}', 'running')")
+
+
+async def test_concurrent_migrators_apply_each_file_once(empty_dsn: str) -> None:
+    results: list[list[str]] = []
+
+    async def one() -> None:
+        async with open_database(empty_dsn) as db:
+            results.append(await migrate(db))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(one)
+    assert sorted(map(tuple, results)) == [(), (), (), ("0001", "0003")]
+
+
+async def test_a_failing_migration_rolls_back_whole(empty_dsn: str) -> None:
+    bad = [Migration("0001", "bad", "CREATE TABLE half (x int); SELECT no_such_function();")]
+    async with open_database(empty_dsn) as db:
+        with pytest.raises(MigrationError, match="0001_bad failed"):
+            await migrate(db, bad)
+        assert await db.fetchval("SELECT to_regclass('half')") is None
+        assert await db.fetchval("SELECT count(*) FROM nasiko_queue_migrations") == 0
+
+
+async def test_an_edited_migration_is_refused(empty_dsn: str) -> None:
+    async with open_database(empty_dsn) as db:
+        await migrate(db, [Migration("0001", "a", "CREATE TABLE a (x int)")])
+        with pytest.raises(MigrationError, match="changed after it was applied"):
+            await migrate(db, [Migration("0001", "a", "CREATE TABLE a (x bigint)")])
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
+    """An installed wheel must be able to migrate: the SQL files travel inside it."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True)
+    (wheel,) = tmp_path.glob("nasiko_queue-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "nasiko_queue/migrations/0001_schema.sql" in names
+    assert "nasiko_queue/migrations/0003_mcp.sql" in names
+    assert "nasiko_queue/sql/queries.sql" in names

@@ -1,0 +1,215 @@
+"""
+The worker's timers on trio's mock clock, with an in-memory fake of the job store.
+
+A fake is right here and only here: these tests are about *when* the worker
+looks (5 s poll re-armed after each drain, recovery ticks at 600 s intervals,
+missed ticks skipped), which a real database cannot drive on virtual time
+(trio-asyncpg-notes §5: autojump with real sockets fires timeouts early).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import trio
+import trio.testing
+
+from nasiko_queue import Database, Executors, JobContext, Queue, QueueConfig, Upload, Worker
+from nasiko_queue.jobs import ClaimedJob, JobStatus, RecoveryResult
+from nasiko_queue.payloads import PayloadCodec
+from nasiko_queue.testing import make_payload
+
+
+class FakeStore:
+    """Pending payloads in a list; records when each operation happened (trio time)."""
+
+    def __init__(self, *, recover_takes: float = 0.0, recover_fails: int = 0) -> None:
+        self.pending: list[str] = []
+        self.claims: list[float] = []
+        self.recoveries: list[float] = []
+        self.finished: list[float] = []
+        self.recover_takes = recover_takes
+        self.recover_fails = recover_fails
+
+    def add(self) -> None:
+        owner = uuid.uuid4()
+        payload = make_payload("Upload", target_id=uuid.uuid4(), build_id=uuid.uuid4(),
+                               owner_id=owner)
+        import json
+
+        self.pending.append(json.dumps(PayloadCodec().encode(payload)))
+
+    async def claim(self, limit: int) -> list[ClaimedJob]:
+        self.claims.append(trio.current_time())
+        taken, self.pending = self.pending[:limit], self.pending[limit:]
+        return [
+            ClaimedJob(id=uuid.uuid4(), agent_id=uuid.uuid4(), connector_id=None,
+                       owner_id=uuid.uuid4(), payload=p, old_attempt=0,
+                       created_at=datetime.now(UTC))
+            for p in taken
+        ]
+
+    async def finish_from_build(self, job: ClaimedJob, build_id: uuid.UUID) -> JobStatus:
+        self.finished.append(trio.current_time())
+        return JobStatus.DONE
+
+    async def fail(self, job: ClaimedJob, message: str, *, own_build_id: Any,
+                   terminalize: bool) -> bool:
+        return True
+
+    async def reset(self, job: ClaimedJob) -> bool:
+        return True
+
+    async def recover(self) -> RecoveryResult:
+        self.recoveries.append(trio.current_time())
+        if self.recover_fails:
+            self.recover_fails -= 1
+            raise OSError("database is down")
+        await trio.sleep(self.recover_takes)
+        return RecoveryResult(0, 0)
+
+
+def _worker(store: FakeStore, **config: Any) -> Worker:
+    executors = Executors()
+
+    @executors.register(Upload)
+    async def run(ctx: JobContext[Upload]) -> None:
+        await trio.sleep(1)  # a one-second "build"
+
+    queue = Queue(cast(Database, None), config=QueueConfig(**config))
+    return Worker(queue, executors, store=store)
+
+
+async def test_startup_recovery_runs_before_started(autojump_clock: trio.testing.MockClock) -> None:
+    store = FakeStore()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        assert store.recoveries == [0.0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_startup_recovery_retries_until_the_database_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = FakeStore(recover_fails=3)
+    worker = _worker(store, retry_initial_delay=1.0, retry_max_delay=10.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        assert store.recoveries == [0.0, 1.0, 3.0, 7.0]  # backoff 1, 2, 4
+        assert trio.current_time() == 7.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_poll_finds_a_job_nobody_woke_for(autojump_clock: trio.testing.MockClock) -> None:
+    """A job appearing without a wake (another process enqueued it) starts at +5 s."""
+    store = FakeStore()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(2)
+        assert store.claims == [0.0]  # the first drain, at start
+        store.add()  # no wake
+        await trio.sleep(10)
+        # Claimed at the 5 s poll, ran for 1 s; the drain's next claim (one slot:
+        # it waits for the running job) found nothing at 6 s.
+        assert store.claims[:3] == [0.0, 5.0, 6.0]
+        assert store.finished == [6.0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_poll_is_rearmed_after_each_drain(autojump_clock: trio.testing.MockClock) -> None:
+    store = FakeStore()
+    store.add()
+    store.add()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(8.5)
+        # Drain at 0 runs two 1-second jobs and ends at 2; next look 5 s later.
+        assert store.finished == [1.0, 2.0]
+        assert [t for t in store.claims if t > 2] == [7.0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_wake_starts_a_drain_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    store = FakeStore()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(1.5)
+        store.add()
+        worker.wake()
+        await trio.sleep(0.1)
+        assert store.claims == [0.0, 1.5]
+        nursery.cancel_scope.cancel()
+
+
+async def test_recovery_ticks_every_ten_minutes(autojump_clock: trio.testing.MockClock) -> None:
+    store = FakeStore()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(1900)
+        assert store.recoveries == [0.0, 600.0, 1200.0, 1800.0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_missed_recovery_ticks_are_skipped(autojump_clock: trio.testing.MockClock) -> None:
+    """A sweep that overruns (1500 s) skips the ticks it missed instead of replaying them."""
+    store = FakeStore()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        store.recover_takes = 1500
+        await trio.sleep(3100)
+        # Startup (instant); the tick at 600 runs until 2100, so 1200 and 1800 are
+        # skipped, not replayed; the next tick is 2400 (and runs past 3100).
+        assert store.recoveries == [0.0, 600.0, 2400.0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_failed_recovery_tick_does_not_stop_the_worker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = FakeStore()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        store.recover_fails = 1
+        await trio.sleep(1250)
+        assert store.recoveries == [0.0, 600.0, 1200.0]
+        store.add()
+        worker.wake()
+        await trio.sleep(2)
+        assert len(store.finished) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_configured_intervals(autojump_clock: trio.testing.MockClock) -> None:
+    store = FakeStore()
+    worker = _worker(store, poll_interval=1.0, recovery_interval=30.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(65)
+        assert store.recoveries == [0.0, 30.0, 60.0]
+        assert store.claims[:4] == [0.0, 1.0, 2.0, 3.0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_graceful_stop_waits_for_the_running_job(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = FakeStore()
+    store.add()
+    store.add()
+    worker = _worker(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(0.5)
+        worker.stop()
+    assert trio.current_time() == 1.0       # the running job's 1 s build finished
+    assert store.finished == [1.0]
+    assert len(store.pending) == 1           # the second was never claimed
