@@ -247,6 +247,11 @@ class Worker:
     async def _run_job(self, job: ClaimedJob) -> None:
         try:
             await self._process(job)
+        except Exception:
+            # Not the executor (its crashes are handled in _process) and not the
+            # database (final updates retry): a bug of ours. Keep the other jobs
+            # running; the job stays in_progress and the sweep recovers it.
+            log.exception("job %s: internal error; left for the recovery sweep", job.id)
         finally:
             self.stats.running -= 1
             self._slots.release()
@@ -261,8 +266,9 @@ class Worker:
             return
         try:
             payload = self._codec.decode(json.loads(job.payload))
-        except (InvalidPayload, ValueError) as exc:
-            log.warning("job %s: invalid payload: %s", job.id, exc)
+        except Exception as exc:  # any failure to parse is the payload's, not ours
+            log.warning("job %s: invalid payload: %s", job.id,
+                        exc if isinstance(exc, InvalidPayload) else type(exc).__name__)
             await self._fail(job, INVALID_PAYLOAD, own_build_id=_raw_build_id(job))
             return
         if job.target_soft_deleted:
@@ -383,6 +389,8 @@ class Worker:
                 await self._recover()
             except Exception:
                 log.exception("recovery sweep failed; next one in %.0fs", period)
+            else:
+                self.wake()  # the sweep is one of the three signals: drain what it freed
             now = trio.current_time()
             next_tick += period
             if next_tick <= now:  # the sweep overran: skip, never replay, missed ticks

@@ -213,3 +213,16 @@ async def test_graceful_stop_waits_for_the_running_job(
     assert trio.current_time() == 1.0       # the running job's 1 s build finished
     assert store.finished == [1.0]
     assert len(store.pending) == 1           # the second was never claimed
+
+
+async def test_recovery_tick_starts_a_drain(autojump_clock: trio.testing.MockClock) -> None:
+    """The sweep is one of the three signals: jobs it frees run without waiting for a poll."""
+    store = FakeStore()
+    worker = _worker(store, poll_interval=10_000.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(100)
+        store.add()  # e.g. a stuck job the sweep is about to reset
+        await trio.sleep(600)
+        assert store.finished == [601.0]
+        nursery.cancel_scope.cancel()
