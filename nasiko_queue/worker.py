@@ -150,6 +150,16 @@ class Worker:
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await self._changed.wait()
 
+    async def wait_for(self, condition: Callable[[WorkerStats], bool]) -> None:
+        """
+        Wait until `condition(worker.stats)` holds; checked whenever the stats change.
+
+        A test signal in the manner of River's: wait on what the worker did (say
+        ``lambda s: s.done >= 3``) instead of sleeping and hoping.
+        """
+        while not condition(self.stats):
+            await self._changed.wait()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
@@ -377,6 +387,7 @@ class Worker:
     async def _recover(self) -> RecoveryResult:
         result = await self._store.recover()
         self.stats.recoveries += 1
+        self._notify()
         return result
 
     async def _recovery_timer(self) -> None:

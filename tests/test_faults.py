@@ -98,3 +98,39 @@ async def test_failed_final_update_is_retried_until_it_lands(
         "panic-final": ("failed", 3, [3]),
     }[outcome]
     assert (row["status"], row["attempt"], runs) == expected
+
+
+async def test_error_during_terminalization_deletes_nothing(
+    queue: Queue, faults: Database
+) -> None:
+    """[decision] Terminalization runs in the job's own transaction: a database error
+    part-way (here, failing the agent's builds) rolls everything back — no delete, the
+    job not marked — and the whole step is retried until it succeeds."""
+    await faults.execute("""
+        CREATE FUNCTION builds_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM faults WHERE op = 'builds') THEN
+                RAISE EXCEPTION 'injected fault: agent_builds';
+            END IF;
+            RETURN NEW;
+        END;
+        $$;
+        CREATE TRIGGER builds_fault BEFORE UPDATE ON agent_builds
+            FOR EACH ROW EXECUTE FUNCTION builds_fault();
+        INSERT INTO faults VALUES ('builds');
+    """)
+    job = await enqueue_with_target(queue, "Upload")  # never built: would be deleted
+    await queue.db.execute("UPDATE build_jobs SET attempt = 3 WHERE id = $1", job.job_id)
+    with LogEvent("update failed; retrying") as failing:
+        async with running(queue, executors_for_all(succeed)) as worker, \
+                trio.open_nursery() as nursery:
+            nursery.start_soon(worker.drain_once)
+            await failing.event.wait()
+            assert await queue.db.fetchval(
+                "SELECT status FROM agents WHERE id = $1", job.target_id) == "deploying"
+            row = await job_row(queue.db, job.job_id)
+            assert row is not None
+            assert row["status"] == "in_progress"
+            await faults.execute("DELETE FROM faults")
+    assert await queue.db.fetchval("SELECT count(*) FROM agents WHERE id = $1",
+                                   job.target_id) == 0

@@ -575,3 +575,22 @@ async def test_stop_while_idle_returns(queue: Queue) -> None:
         await nursery.start(worker.run)
         worker.stop()
     assert worker.stats.drains_completed >= 1
+
+
+async def test_poll_finds_jobs_nobody_woke_for(queue: Queue) -> None:
+    """A row written by another process (here: plain SQL, no wake) is found by the
+    poll. FAST polls every 0.2 s; we wait on the worker's own signal, not a sleep."""
+    async with running(queue, executors_for_all(succeed)) as worker:
+        await worker.drain_once()
+        owner = uuid.uuid4()
+        agent = await insert_agent(queue.db, owner_id=owner)
+        build = await insert_agent_build(queue.db, agent)
+        payload = {"kind": "Upload", "build_id": str(build), "agent_id": str(agent),
+                   "owner_id": str(owner), "upload_id": "u", "name": "n", "zip_path": "/z",
+                   "image_tag": "i", "ports": [80], "env": {}, "writable": False}
+        await queue.db.execute(
+            "INSERT INTO build_jobs (agent_id, owner_id, payload) VALUES ($1, $2, $3::jsonb)",
+            agent, owner, json.dumps(payload))
+        with trio.fail_after(10):
+            await worker.wait_for(lambda stats: stats.done >= 1)
+    assert await build_state(queue.db, build) == "success"
