@@ -330,8 +330,10 @@ class Worker:
         """
         if job.old_attempt + 1 >= self.config.max_attempts:
             await self._fail(job, JOB_PANICKED, own_build_id=payload.build_id)
-        else:
-            await self._final("reset", lambda: self._store.reset(job))
+        elif await self._final("reset", lambda: self._store.reset(job)):
+            # Retry at once. With one slot the drain's next claim takes it anyway;
+            # with more, the drain may already have ended, so ask for another.
+            self.wake()
 
     async def _fail(
         self, job: ClaimedJob, message: str, *, own_build_id: UUID | None, terminalize: bool = True

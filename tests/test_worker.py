@@ -594,3 +594,26 @@ async def test_poll_finds_jobs_nobody_woke_for(queue: Queue) -> None:
         with trio.fail_after(10):
             await worker.wait_for(lambda stats: stats.done >= 1)
     assert await build_state(queue.db, build) == "success"
+
+
+async def test_crash_is_retried_at_once_with_several_slots(db: Any) -> None:
+    """With concurrency > 1 the drain may have ended when a job crashes; the reset
+    wakes the worker so the retry does not wait for the poll (here: an hour)."""
+    from .conftest import MASTER_KEY
+
+    queue = Queue(db, config=QueueConfig(concurrency=3, poll_interval=3600.0),
+                  secrets=MASTER_KEY)
+    runs: list[int] = []
+
+    async def flaky(ctx: JobContext[Any]) -> None:
+        runs.append(ctx.attempt)
+        if ctx.attempt == 1:
+            raise Boom
+        await succeed(ctx)
+
+    job = await enqueue_with_target(queue, "Upload")
+    async with running(queue, executors_for_all(flaky)) as worker:
+        with trio.fail_after(10):
+            await worker.wait_for(lambda stats: stats.done >= 1)
+    assert runs == [1, 2]
+    assert (await job_row(queue.db, job.job_id) or {})["status"] == "done"

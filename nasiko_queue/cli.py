@@ -1,0 +1,537 @@
+"""
+The ``nasiko-queue`` command: migrate, run a worker, inspect the queue, make a key, demo.
+
+Thin on purpose: each command parses its options, calls the public API inside one
+`trio.run`, and renders the result. Everything worth testing without a terminal
+lives elsewhere (`status.queue_status`, `demo.run_demo`).
+
+Errors are for operators, not for developers: a database that cannot be reached,
+a wrong DSN or a schema that is not migrated ends the command with one line on
+stderr and exit code 1 (2 for a usage error such as a missing ``--dsn``), never
+with a traceback. The DSN's password never appears in any message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import asyncpg
+import attrs
+import click
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from ._sql import Q
+from .config import QueueConfig
+from .database import Database, open_database
+from .demo import DemoReport, run_demo
+from .embedded import EmbeddedPostgres
+from .errors import ConfigurationError, NasikoQueueError
+from .executors import Executors
+from .migrate import load_migrations, migrate
+from .payloads import McpServerUpload
+from .queue import Queue
+from .secrets import SecretBox, generate_master_key
+from .status import QueueStatus, queue_status
+from .worker import Worker
+
+log = logging.getLogger("nasiko_queue.cli")
+
+T = TypeVar("T")
+
+#: Where the worker's master key comes from. Never a command-line option: those
+#: are visible to every user of the machine in `ps`.
+MASTER_KEY_ENV = "NASIKO_QUEUE_MASTER_KEY"
+
+#: Exit code of a worker stopped by a second signal (128 + SIGINT, as shells report
+#: Ctrl-C), so that scripts can tell a hard stop from a clean one.
+EXIT_HARD_STOP = 130
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+# -- errors -----------------------------------------------------------------------
+
+
+class OperatorError(click.ClickException):
+    """
+    A mistake in how the command was called (no DSN, a bad key, a wrong --executors).
+
+    One line and exit code 2, like click's usage errors, but without the usage
+    text: the message already says what to change.
+    """
+
+    exit_code = 2
+
+
+def _where(dsn: str) -> str:
+    """The DSN as it may be shown: host, port and database, never user or password."""
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or "localhost"
+        port = parts.port or 5432
+    except ValueError:
+        return "the database"
+    database = parts.path.lstrip("/") or "(default database)"
+    return f"{host}:{port}/{database}"
+
+
+def _check_dsn(dsn: str) -> None:
+    """Refuse a malformed DSN up front, where the message can say what is wrong."""
+    try:
+        parts = urlsplit(dsn)
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise OperatorError(f"--dsn is not a valid database URL ({exc})") from None
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise OperatorError("--dsn must be a URL like postgresql://user@host:5432/database")
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _explain(exc: BaseException, dsn: str | None) -> str | None:
+    """
+    One line for an error an operator can fix, or None for a bug (which keeps its traceback).
+
+    Exceptions may arrive wrapped in exception groups by the nurseries they crossed;
+    the message is that of the first leaf the operator can do something about.
+    """
+    where = _where(dsn) if dsn else "the database"
+    for leaf in _leaves(exc):
+        if isinstance(leaf, asyncpg.UndefinedTableError):
+            return (f"{where} has no nasiko-queue schema ({_first_line(leaf)}); "
+                    "run `nasiko-queue migrate` first")
+        if isinstance(leaf, asyncpg.PostgresError):
+            return f"database error at {where}: {_first_line(leaf)}"
+        if isinstance(leaf, asyncpg.InterfaceError):
+            return f"cannot use {where}: {_first_line(leaf)}"
+        if isinstance(leaf, TimeoutError):
+            return f"timed out talking to {where}"
+        if isinstance(leaf, OSError):
+            return f"cannot connect to {where}: {leaf.strerror or _first_line(leaf)}"
+        if isinstance(leaf, NasikoQueueError):
+            return _first_line(leaf)
+    return None
+
+
+def _run(dsn: str | None, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """`trio.run(fn, *args)`, with operator errors turned into one-line CLI errors."""
+    try:
+        return trio.run(fn, *args)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(EXIT_HARD_STOP)
+    except Exception as exc:
+        message = _explain(exc, dsn)
+        if message is None:
+            raise
+        raise click.ClickException(message) from None
+
+
+# -- options ----------------------------------------------------------------------
+
+
+def _require_dsn(dsn: str | None) -> str:
+    if not dsn:
+        raise OperatorError("no database given: pass --dsn or set DATABASE_URL")
+    _check_dsn(dsn)
+    return dsn
+
+
+dsn_option = click.option(
+    "--dsn",
+    envvar="DATABASE_URL",
+    show_envvar=True,
+    metavar="URL",
+    help="PostgreSQL URL, e.g. postgresql://user@host:5432/database.",
+)
+
+stuck_option = click.option(
+    "--stuck-job-mins",
+    type=click.IntRange(min=1),
+    default=QueueConfig().stuck_job_mins,
+    show_default=True,
+    help="A job in progress for longer than this counts as stuck.",
+)
+
+
+def _log_level_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--log-level",
+        type=click.Choice(_LOG_LEVELS, case_sensitive=False),
+        default=default,
+        show_default=True,
+        help="Log messages at this level and above (to stderr).",
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="nasiko-queue")
+def main() -> None:
+    """A durable job queue on PostgreSQL: run workers and look after the queue."""
+
+
+# -- migrate ----------------------------------------------------------------------
+
+
+@main.command("migrate", short_help="Bring the database schema up to date.")
+@dsn_option
+def migrate_command(dsn: str | None) -> None:
+    """Bring the database schema up to date (safe to run again, and from many hosts)."""
+    dsn = _require_dsn(dsn)
+
+    async def go() -> list[str]:
+        async with open_database(dsn) as db:
+            return await migrate(db)
+
+    applied = _run(dsn, go)
+    if applied:
+        click.echo(f"applied migrations: {', '.join(applied)}")
+    else:
+        click.echo("schema is up to date")
+
+
+# -- worker -----------------------------------------------------------------------
+
+
+def load_executors(spec: str) -> Executors:
+    """
+    Import ``module:attribute`` and return the `Executors` it names.
+
+    The attribute may be an `Executors` or a callable taking no arguments that
+    returns one (so that an application can build its registry lazily). The
+    current directory is importable, as for ``python -m``, so that a project's
+    own modules are found when the command runs from the project's folder.
+    """
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise OperatorError("--executors: expected module:attribute, e.g. myapp.jobs:executors")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OperatorError(f"--executors: cannot import {module_name!r}: {exc}") from None
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise OperatorError(
+                f"--executors: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not isinstance(target, Executors) and callable(target):
+        target = target()
+    if not isinstance(target, Executors):
+        raise OperatorError(
+            f"--executors: {spec} is a {type(target).__name__}, not an Executors "
+            "(or a function with no arguments that returns one)"
+        )
+    if not len(target):
+        raise OperatorError(f"--executors: {spec} has no executor registered")
+    return target
+
+
+def _master_key() -> SecretBox | None:
+    text = os.environ.get(MASTER_KEY_ENV)
+    if not text:
+        return None
+    try:
+        return SecretBox.from_base64(text)
+    except ConfigurationError as exc:
+        raise OperatorError(f"{MASTER_KEY_ENV}: {exc}") from None
+
+
+@attrs.define
+class _Shutdown:
+    """What the signals asked for so far (the first stops gently, the second at once)."""
+
+    graceful: bool = False
+    hard: bool = False
+
+
+async def _watch_signals(
+    signals: AsyncIterator[int], worker: Worker, scope: trio.CancelScope, shutdown: _Shutdown
+) -> None:
+    """First SIGINT/SIGTERM: `worker.stop()` (SPEC §8 graceful). Second: cancel everything."""
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if not shutdown.graceful:
+            shutdown.graceful = True
+            log.info("%s: stopping once the running jobs finish (send it again to stop now)",
+                     name)
+            worker.stop()
+        else:
+            shutdown.hard = True
+            log.warning("%s again: stopping now; running jobs go back to pending", name)
+            scope.cancel()
+            return
+
+
+async def _check_schema(db: Database) -> None:
+    """
+    Fail fast on a database the worker cannot use.
+
+    The worker itself never gives up on the database (it waits and reconnects,
+    SPEC §5), which is right once it runs, but a wrong DSN or an unmigrated
+    database at startup is a mistake to report, not an outage to wait out.
+    """
+    applied = {row["version"] for row in await db.fetch(Q.migrations_applied)}
+    missing = [m.version for m in load_migrations() if m.version not in applied]
+    if missing:
+        raise NasikoQueueError(
+            f"the database schema is not up to date (missing {', '.join(missing)}); "
+            "run `nasiko-queue migrate` first"
+        )
+
+
+async def _work(dsn: str, executors: Executors, config: QueueConfig,
+                secrets: SecretBox | None) -> int:
+    shutdown = _Shutdown()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_database(dsn) as db:
+            await _check_schema(db)
+            worker = Worker(Queue(db, config=config, secrets=secrets), executors)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_signals, signals, worker, nursery.cancel_scope,
+                                   shutdown)
+                await worker.run()
+                nursery.cancel_scope.cancel()
+    return EXIT_HARD_STOP if shutdown.hard else 0
+
+
+@main.command("worker", short_help="Run jobs until stopped.")
+@dsn_option
+@click.option("--executors", "executors_spec", required=True, metavar="MODULE:ATTRIBUTE",
+              help="Where the Executors registry is, e.g. myapp.jobs:executors.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Jobs run at once by this process.")
+@click.option("--poll-interval", type=click.FloatRange(min=0, min_open=True),
+              default=QueueConfig().poll_interval, show_default=True,
+              help="Seconds of quiet before looking for jobs again.")
+@stuck_option
+@click.option("--recovery-interval", type=click.FloatRange(min=0, min_open=True),
+              default=QueueConfig().recovery_interval, show_default=True,
+              help="Seconds between sweeps for stuck jobs.")
+@_log_level_option("INFO")
+def worker_command(
+    dsn: str | None,
+    executors_spec: str,
+    concurrency: int,
+    poll_interval: float,
+    stuck_job_mins: int,
+    recovery_interval: float,
+    log_level: str,
+) -> None:
+    """
+    Run jobs until stopped.
+
+    The first SIGINT or SIGTERM stops gracefully: nothing more is claimed, the
+    running jobs finish, and the exit code is 0. A second signal stops at once:
+    running jobs are cancelled and put back to pending (their attempt stays
+    counted), and the exit code is 130, so that a script can tell the two apart.
+
+    The secrets master key, needed to run McpServerUpload jobs with env values,
+    is read from NASIKO_QUEUE_MASTER_KEY (base64; see `nasiko-queue keygen`).
+    """
+    dsn = _require_dsn(dsn)
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    executors = load_executors(executors_spec)
+    secrets = _master_key()
+    if secrets is None and McpServerUpload.kind in executors.kinds:
+        log.warning("%s is not set: secret env values of McpServerUpload jobs will be dropped",
+                    MASTER_KEY_ENV)
+    config = QueueConfig(concurrency=concurrency, poll_interval=poll_interval,
+                         stuck_job_mins=stuck_job_mins, recovery_interval=recovery_interval)
+    sys.exit(_run(dsn, _work, dsn, executors, config, secrets))
+
+
+# -- status -----------------------------------------------------------------------
+
+
+@main.command("status", short_help="Show the queue's health.")
+@dsn_option
+@stuck_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def status_command(dsn: str | None, stuck_job_mins: int, as_json: bool) -> None:
+    """Show job counts, held and stuck jobs, the pending backlog, and the claim's plan."""
+    dsn = _require_dsn(dsn)
+
+    async def go() -> QueueStatus:
+        async with open_database(dsn) as db:
+            return await queue_status(db, stuck_job_mins=stuck_job_mins)
+
+    status = _run(dsn, go)
+    if as_json:
+        click.echo(json.dumps(status.to_json(), indent=2))
+    else:
+        _render_status(_wide_console(), status)
+
+
+def _render_status(console: Console, status: QueueStatus) -> None:
+    counts = Table(title="jobs by status")
+    counts.add_column("status")
+    counts.add_column("jobs", justify="right")
+    for name, n in status.counts.items():
+        counts.add_row(name, str(n))
+    console.print(counts)
+
+    held = Table(title="now", show_header=False)
+    held.add_column("what")
+    held.add_column("value")
+    held.add_row("in progress", str(status.in_progress))
+    held.add_row("oldest claim",
+                 status.oldest_picked_at.isoformat() if status.oldest_picked_at else "-")
+    stuck = f"{status.stuck} (over {status.stuck_job_mins} min)"
+    held.add_row("stuck", f"[yellow]{stuck}[/]" if status.stuck else stuck)
+    held.add_row("oldest pending",
+                 "-" if status.oldest_pending_age is None
+                 else _duration(status.oldest_pending_age))
+    console.print(held)
+
+    style = "bold yellow" if status.claim_plan.is_warning else "green"
+    console.print(f"[{style}]{status.claim_plan.describe()}[/]")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{seconds:.1f}s"
+
+
+# -- keygen -----------------------------------------------------------------------
+
+
+@main.command("keygen", short_help="Print a new secrets master key.")
+def keygen_command() -> None:
+    """Print a new secrets master key (for NASIKO_QUEUE_MASTER_KEY); keep it secret."""
+    click.echo(generate_master_key())
+
+
+# -- demo -------------------------------------------------------------------------
+
+
+@main.command("demo", short_help="Run every path a job can take, and check it.")
+@click.option("--dsn", metavar="URL",
+              help="Run in this database (use a scratch one: the demo adds rows to it). "
+                   "Default: a private PostgreSQL started for the demo and removed after.")
+@click.option("--delay", type=click.FloatRange(min=0), default=0.3, hidden=True,
+              help="Seconds each simulated build step takes (0 for tests).")
+@_log_level_option("WARNING")
+def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
+    """
+    Show every path a job can take, with simulated builds and a real worker.
+
+    Exits 1 if any scenario ends differently from what SPEC.md says.
+    """
+    console = _wide_console()
+    if dsn is not None:
+        _check_dsn(dsn)
+        report = _run(dsn, _demo_logged, dsn, console, delay, log_level)
+    else:
+        server = _start_embedded()
+        try:
+            console.print(f"Started a private PostgreSQL server at {_where(server.dsn)} "
+                          "(it is removed when the demo ends).")
+            report = _run(server.dsn, _demo_logged, server.dsn, console, delay, log_level)
+        finally:
+            server.cleanup()
+            console.print("Removed the private PostgreSQL server.")
+    if not report.ok:
+        sys.exit(1)
+
+
+def _wide_console() -> Console:
+    """
+    A console for wide tables: a terminal's own width, else 160 columns.
+
+    Rich assumes 80 columns when output is not a terminal, which folds the
+    demo's report into slivers in a CI log or a file for no reason.
+    """
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _start_embedded() -> EmbeddedPostgres:
+    """Start the demo's own server, or end the command with one line saying why not."""
+    try:
+        server = EmbeddedPostgres()
+    except (NasikoQueueError, OSError, subprocess.SubprocessError) as exc:
+        raise click.ClickException(f"cannot start a private PostgreSQL: {_first_line(exc)}") \
+            from None
+    try:
+        server.start()
+    except (NasikoQueueError, OSError, subprocess.SubprocessError) as exc:
+        server.cleanup()
+        raise click.ClickException(f"cannot start a private PostgreSQL: {_first_line(exc)}") \
+            from None
+    return server
+
+
+async def _demo_logged(dsn: str, console: Console, delay: float, log_level: str) -> DemoReport:
+    """
+    Run the demo with the library's log lines printed through the demo's console.
+
+    Through the console, so that they appear above the live progress display
+    instead of tearing it; one line each, because the demo's crashes are
+    simulated and their tracebacks would only bury the story.
+    """
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=console, show_path=False, show_time=False)
+    handler.setFormatter(_OneLineFormatter("%(name)s: %(message)s"))
+    logger = logging.getLogger("nasiko_queue")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(log_level.upper())
+    try:
+        return await run_demo(dsn, console=console, delay=delay)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """Formats a record without its traceback, naming the innermost exception instead."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            text = super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            leaf = next(iter(_leaves(exc)))
+            text += f" ({type(leaf).__name__}: {_first_line(leaf)})"
+        return text
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

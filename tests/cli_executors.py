@@ -1,0 +1,37 @@
+"""
+Executors for the CLI tests: `nasiko-queue worker --executors tests.cli_executors:executors`.
+
+A module of its own because the worker runs in a subprocess, which imports it by name.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from nasiko_queue import Executors, JobContext, Update, Upload
+from nasiko_queue.testing import set_build_status
+
+executors = Executors()
+
+
+@executors.register(Upload)
+async def build_upload(ctx: JobContext[Upload]) -> None:
+    """A build that always works: it only reports success on its build row."""
+    await set_build_status(ctx.db, ctx.payload, "success")
+
+
+
+@executors.register(Update)
+async def build_update_forever(ctx: JobContext[Update]) -> None:
+    """A build that never ends by itself, for the hard-stop test."""
+    await set_build_status(ctx.db, ctx.payload, "building")
+    await trio.sleep_forever()
+
+
+def make_executors() -> Executors:
+    """The factory form `--executors` also accepts."""
+    return executors
+
+
+#: Not an Executors, for the error-message test.
+not_executors = ("Upload",)

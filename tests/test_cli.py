@@ -1,0 +1,439 @@
+"""
+The `nasiko-queue` command, against a real PostgreSQL.
+
+Commands run in-process through click's `CliRunner` where that is enough, from
+sync test functions (the command calls `trio.run` itself, which cannot nest in
+a pytest-trio test). The worker runs as a real subprocess, because what is
+tested is how a process answers SIGTERM.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+from uuid import UUID
+
+import pytest
+import trio
+from click.testing import CliRunner, Result
+from rich.console import Console
+
+from nasiko_queue import Database, Executors, Queue, SecretBox, open_database
+from nasiko_queue.cli import load_executors, main
+from nasiko_queue.demo import run_demo
+from nasiko_queue.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
+from nasiko_queue.testing import KINDS, enqueue_with_target
+
+from .conftest import FAST
+
+REPO = Path(__file__).resolve().parent.parent
+#: How long a subprocess may take for anything; generous, a test never waits it out
+#: unless something is broken.
+DEADLINE = 20.0
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    """A runner whose environment names no database unless the test passes one."""
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.delenv("NASIKO_QUEUE_MASTER_KEY", raising=False)
+    return CliRunner()
+
+
+def invoke(runner: CliRunner, *args: str, env: dict[str, str] | None = None) -> Result:
+    result = runner.invoke(main, list(args), env=env, catch_exceptions=True)
+    # An exception other than the command's own exit would be a bug with a traceback.
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def with_db(dsn: str, fn: Callable[[Database], Awaitable[Any]]) -> Any:
+    """Run `fn(db)` in a trio loop of its own (sync tests set up rows with this)."""
+
+    async def go() -> Any:
+        async with open_database(dsn) as db:
+            return await fn(db)
+
+    return trio.run(go)
+
+
+# -- migrate ---------------------------------------------------------------------
+
+
+def test_migrate_applies_then_says_up_to_date(runner: CliRunner, empty_dsn: str) -> None:
+    first = invoke(runner, "migrate", "--dsn", empty_dsn)
+    assert first.exit_code == 0, first.output
+    assert "applied migrations: 0001, 0003" in first.output
+
+    second = invoke(runner, "migrate", "--dsn", empty_dsn)
+    assert second.exit_code == 0, second.output
+    assert second.output.strip() == "schema is up to date"
+
+
+def test_dsn_comes_from_database_url(runner: CliRunner, dsn: str) -> None:
+    result = invoke(runner, "migrate", env={"DATABASE_URL": dsn})
+    assert result.exit_code == 0, result.output
+    assert "up to date" in result.output
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+def _one_line_error(result: Result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    assert lines[0].startswith("Error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["migrate", "status"])
+def test_no_dsn_is_a_one_line_usage_error(runner: CliRunner, command: str) -> None:
+    result = invoke(runner, command)
+    assert result.exit_code == 2
+    assert "pass --dsn or set DATABASE_URL" in _one_line_error(result)
+
+
+@pytest.mark.parametrize(
+    ("dsn", "exit_code", "says"),
+    [
+        ("postgresql://root@127.0.0.1:1/postgres", 1, "cannot connect to 127.0.0.1:1/postgres"),
+        ("postgresql://root@nosuchhost.invalid/postgres", 1, "cannot connect to nosuchhost"),
+        ("mysql://root@127.0.0.1/postgres", 2, "--dsn must be a URL like postgresql://"),
+        ("postgresql://root@127.0.0.1:port/postgres", 2, "--dsn is not a valid database URL"),
+    ],
+)
+def test_bad_dsn_is_a_one_line_error(
+    runner: CliRunner, dsn: str, exit_code: int, says: str
+) -> None:
+    result = invoke(runner, "status", "--dsn", dsn)
+    assert result.exit_code == exit_code
+    assert says in _one_line_error(result)
+
+
+def test_missing_database_names_it_without_the_password(
+    runner: CliRunner, admin_dsn: str
+) -> None:
+    parts = urlsplit(admin_dsn)
+    netloc = f"{parts.username}:hunter2@{parts.hostname}:{parts.port or 5432}"
+    bad = urlunsplit(parts._replace(netloc=netloc, path="/nasiko_no_such_db"))
+    result = invoke(runner, "status", "--dsn", bad)
+    assert result.exit_code == 1
+    line = _one_line_error(result)
+    assert 'database "nasiko_no_such_db" does not exist' in line
+    assert "hunter2" not in result.output
+
+
+def test_unmigrated_database_says_run_migrate(runner: CliRunner, empty_dsn: str) -> None:
+    result = invoke(runner, "status", "--dsn", empty_dsn)
+    assert result.exit_code == 1
+    assert "run `nasiko-queue migrate` first" in _one_line_error(result)
+
+
+def test_bad_dsn_in_a_real_process_prints_no_traceback() -> None:
+    """The console entry point itself, not only the click command, ends in one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nasiko_queue", "migrate", "--dsn",
+         "postgresql://root@127.0.0.1:1/postgres"],
+        cwd=REPO, capture_output=True, text=True, timeout=DEADLINE, check=False,
+        env={k: v for k, v in os.environ.items() if k != "DATABASE_URL"},
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "Error: cannot connect to 127.0.0.1:1/postgres: Connect call failed ('127.0.0.1', 1)"
+    ]
+
+
+# -- status ----------------------------------------------------------------------
+
+
+async def _known_rows(db: Database) -> None:
+    """5 Upload jobs: 2 pending (one 10 min old), 2 held (one for 2 hours), 1 done."""
+    queue = Queue(db, config=FAST)
+    jobs = [(await enqueue_with_target(queue, "Upload")).job_id for _ in range(5)]
+    held_now, held_long, done, old_pending, _pending = jobs
+    await db.execute(
+        "UPDATE build_jobs SET status='in_progress', attempt=1, picked_at=now() WHERE id=$1",
+        held_now)
+    await db.execute(
+        "UPDATE build_jobs SET status='in_progress', attempt=1, "
+        "picked_at = now() - interval '2 hours' WHERE id=$1", held_long)
+    await db.execute(
+        "UPDATE build_jobs SET status='done', attempt=1, picked_at=now(), completed_at=now() "
+        "WHERE id=$1", done)
+    await db.execute(
+        "UPDATE build_jobs SET created_at = now() - interval '10 minutes' WHERE id=$1",
+        old_pending)
+
+
+def test_status_json_reports_known_rows(runner: CliRunner, dsn: str) -> None:
+    with_db(dsn, _known_rows)
+    result = invoke(runner, "status", "--dsn", dsn, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+
+    assert data["counts"] == {"pending": 2, "in_progress": 2, "done": 1, "failed": 0}
+    held = data["in_progress"]
+    assert (held["held"], held["stuck"], held["stuck_job_mins"]) == (2, 1, 60)
+    picked = datetime.fromisoformat(held["oldest_picked_at"])
+    assert abs(datetime.now(UTC) - timedelta(hours=2) - picked) < timedelta(minutes=1)
+    assert 600 <= data["oldest_pending_age_seconds"] < 660
+    plan = data["claim_plan"]
+    assert plan["uses_work_queue_index"] is True
+    assert plan["warning"] is False
+    assert plan["node"].endswith("using build_jobs_work_queue")
+
+
+def test_status_threshold_is_an_option(runner: CliRunner, dsn: str) -> None:
+    with_db(dsn, _known_rows)
+    result = invoke(runner, "status", "--dsn", dsn, "--json", "--stuck-job-mins", "180")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["in_progress"]["stuck"] == 0
+
+
+def test_status_tables_on_an_empty_queue(runner: CliRunner, dsn: str) -> None:
+    result = invoke(runner, "status", "--dsn", dsn)
+    assert result.exit_code == 0, result.output
+    for status in ("pending", "in_progress", "done", "failed"):
+        assert status in result.stdout
+    assert "claim uses the partial index" in result.stdout
+
+
+async def test_queue_status_without_the_cli(db: Database, queue: Queue) -> None:
+    await enqueue_with_target(queue, "Upload")
+    status = await queue_status(db, stuck_job_mins=5)
+    assert status.counts == {"pending": 1, "in_progress": 0, "done": 0, "failed": 0}
+    assert (status.in_progress, status.stuck, status.oldest_picked_at) == (0, 0, None)
+    assert status.oldest_pending_age is not None
+    assert status.claim_plan.uses_work_queue_index
+
+
+async def test_status_notices_a_claim_without_the_index(db: Database) -> None:
+    await db.execute("DROP INDEX build_jobs_work_queue")
+    plan = (await queue_status(db)).claim_plan
+    assert not plan.uses_work_queue_index
+    assert plan.node == "Seq Scan on build_jobs"
+    # An empty table is read whole anyway: reported, but not as a problem.
+    assert not plan.is_warning
+    assert "fine while the table holds only 0 jobs" in plan.describe()
+
+
+def _plan(*scan: dict[str, Any]) -> list[dict[str, Any]]:
+    """An EXPLAIN (FORMAT JSON) of the claim's shape, with the given candidate scan."""
+    cte = {"Node Type": "Limit", "Subplan Name": "CTE next",
+           "Plans": [{"Node Type": "LockRows", "Plans": list(scan)}]}
+    pkey = {"Node Type": "Index Scan", "Relation Name": "build_jobs",
+            "Index Name": "build_jobs_pkey"}
+    return [{"Plan": {"Node Type": "ModifyTable", "Plans": [cte, {"Node Type": "Nested Loop",
+                                                                  "Plans": [pkey]}]}}]
+
+
+def test_plan_reading_finds_the_candidate_scan() -> None:
+    uses = plan_claim(_plan({"Node Type": "Index Scan", "Relation Name": "build_jobs",
+                             "Index Name": "build_jobs_work_queue"}))
+    assert uses == ClaimPlan(uses_work_queue_index=True,
+                             node="Index Scan using build_jobs_work_queue")
+
+    # The primary-key lookup of the UPDATE is not mistaken for the claim's search.
+    seq = plan_claim(_plan({"Node Type": "Seq Scan", "Relation Name": "build_jobs"}))
+    assert seq.node == "Seq Scan on build_jobs"
+    big = ClaimPlan(uses_work_queue_index=False, node=seq.node, table_rows=SMALL_TABLE_ROWS)
+    assert big.is_warning
+    assert big.describe().startswith("WARNING: claim does not use build_jobs_work_queue")
+
+
+# -- keygen ----------------------------------------------------------------------
+
+
+def test_keygen_prints_a_usable_32_byte_key(runner: CliRunner) -> None:
+    result = invoke(runner, "keygen")
+    assert result.exit_code == 0
+    key = result.stdout.strip()
+    assert len(base64.urlsafe_b64decode(key)) == 32
+    SecretBox.from_base64(key)
+    assert invoke(runner, "keygen").stdout.strip() != key
+
+
+# -- worker ----------------------------------------------------------------------
+
+
+def test_executors_spec_forms(runner: CliRunner) -> None:
+    assert isinstance(load_executors("tests.cli_executors:executors"), Executors)
+    assert load_executors("tests.cli_executors:make_executors").kinds == {"Upload", "Update"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("tests.cli_executors:not_executors", "is a tuple, not an Executors"),
+        ("tests.cli_executors:nothing", "has no attribute 'nothing'"),
+        ("tests.no_such_module:executors", "cannot import 'tests.no_such_module'"),
+        ("tests.cli_executors", "expected module:attribute"),
+    ],
+)
+def test_worker_explains_a_bad_executors_spec(
+    runner: CliRunner, dsn: str, spec: str, says: str
+) -> None:
+    result = invoke(runner, "worker", "--dsn", dsn, "--executors", spec)
+    assert result.exit_code == 2
+    assert says in _one_line_error(result)
+
+
+def test_worker_refuses_a_bad_master_key(runner: CliRunner, dsn: str) -> None:
+    result = invoke(runner, "worker", "--dsn", dsn, "--executors",
+                    "tests.cli_executors:executors",
+                    env={"NASIKO_QUEUE_MASTER_KEY": "not base64!"})
+    assert result.exit_code == 2
+    assert "NASIKO_QUEUE_MASTER_KEY" in _one_line_error(result)
+    assert "not base64!" not in result.output
+
+
+def test_worker_refuses_an_unmigrated_database(runner: CliRunner, empty_dsn: str) -> None:
+    result = invoke(runner, "worker", "--dsn", empty_dsn, "--executors",
+                    "tests.cli_executors:executors")
+    assert result.exit_code == 1
+    assert "run `nasiko-queue migrate` first" in _one_line_error(result)
+
+
+@pytest.fixture
+def worker_log(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "worker.log"
+    yield path
+    if path.exists():  # shown by pytest when the test failed
+        sys.stderr.write(path.read_text())
+
+
+async def _start_worker(dsn: str, log: Path) -> trio.Process:
+    # An async test: the process is opened through trio, and its stderr goes to a
+    # file so that a chatty worker can never block on a full pipe.
+    with log.open("wb") as out:
+        return await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nasiko_queue", "worker", "--dsn", dsn,
+             "--executors", "tests.cli_executors:executors", "--poll-interval", "0.1"],
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+        )
+
+
+async def _wait_for(what: str, check: Callable[[], Awaitable[bool]], proc: trio.Process) -> None:
+    """Poll `check` (a cheap DB read or file read) until true, for at most DEADLINE seconds."""
+    with trio.move_on_after(DEADLINE):
+        while not await check():
+            if proc.returncode is not None:
+                pytest.fail(f"the worker exited with {proc.returncode} before {what}")
+            await trio.sleep(0.05)
+        return
+    proc.kill()
+    pytest.fail(f"timed out after {DEADLINE}s waiting for {what}")
+
+
+async def _job(db: Database, job_id: UUID) -> Any:
+    return await db.fetchrow(
+        "SELECT status, attempt, picked_at, error_msg FROM build_jobs WHERE id=$1", job_id)
+
+
+async def _job_status(db: Database, job_id: UUID) -> str:
+    status: str = (await _job(db, job_id))["status"]
+    return status
+
+
+@pytest.mark.slow
+async def test_worker_process_runs_a_job_and_stops_on_sigterm(
+    dsn: str, queue: Queue, worker_log: Path
+) -> None:
+    proc = await _start_worker(dsn, worker_log)
+    try:
+        job = await enqueue_with_target(queue, "Upload")
+
+        async def done() -> bool:
+            return await _job_status(queue.db, job.job_id) == "done"
+
+        await _wait_for("the job to be done", done, proc)
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(DEADLINE):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    assert "stopping once the running jobs finish" in await trio.Path(worker_log).read_text()
+
+
+@pytest.mark.slow
+async def test_worker_process_second_signal_stops_at_once(
+    dsn: str, queue: Queue, worker_log: Path
+) -> None:
+    """First SIGTERM waits for the endless job; the second cancels it, hands it back, exits 130."""
+    proc = await _start_worker(dsn, worker_log)
+    try:
+        job = await enqueue_with_target(queue, "Update")
+
+        async def running() -> bool:
+            return await _job_status(queue.db, job.job_id) == "in_progress"
+
+        async def stopping() -> bool:
+            text = await trio.Path(worker_log).read_text()
+            return "stopping once the running jobs finish" in text
+
+        await _wait_for("the job to start", running, proc)
+        proc.send_signal(signal.SIGTERM)
+        await _wait_for("the first signal to be handled", stopping, proc)
+        assert proc.returncode is None  # still waiting for the running job
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(DEADLINE):
+            assert await proc.wait() == 130
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    row = await _job(queue.db, job.job_id)
+    assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 1, None)
+
+
+# -- demo ------------------------------------------------------------------------
+
+
+def test_demo_every_scenario_ends_as_the_spec_says(runner: CliRunner, dsn: str) -> None:
+    result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
+    assert result.exit_code == 0, result.output
+    assert "✗" not in result.stdout
+    assert result.stdout.count("✓") == 13 + 1 + 1  # the rows, the secret note, the verdict
+    assert "All 13 scenarios ended as SPEC.md says." in result.stdout
+    assert "(sealed); executor received the plaintext" in result.stdout
+
+
+def test_demo_refuses_a_database_with_unfinished_jobs(runner: CliRunner, dsn: str) -> None:
+    async def one_pending(db: Database) -> None:
+        await enqueue_with_target(Queue(db, config=FAST), "Upload")
+
+    with_db(dsn, one_pending)
+    result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
+    assert result.exit_code == 1
+    assert "the database has 1 unfinished job(s)" in result.output
+    assert "Traceback" not in result.output
+
+
+async def test_run_demo_covers_all_seven_kinds(dsn: str) -> None:
+    out = io.StringIO()
+    report = await run_demo(dsn, console=Console(file=out, width=160), delay=0)
+    assert report.ok, out.getvalue()
+    assert {row.kind for row in report.rows} == set(KINDS)
+    assert {row.observed.job for row in report.rows} == {"done", "failed", "gone"}
+
+
+@pytest.mark.slow
+def test_demo_without_dsn_uses_a_private_server(runner: CliRunner) -> None:
+    result = invoke(runner, "demo", "--delay", "0")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("Started a private PostgreSQL server at 127.0.0.1:")
+    assert "All 13 scenarios ended as SPEC.md says." in result.stdout
+    assert result.stdout.rstrip().endswith("Removed the private PostgreSQL server.")
