@@ -60,6 +60,13 @@ class Queries:
     agent_build_get_status: str
     connector_get: str
     connector_build_get_status: str
+    snapshot_jobs: str
+    snapshot_agents: str
+    snapshot_connectors: str
+    snapshot_agent_builds: str
+    snapshot_connector_builds: str
+    testing_truncate_all: str
+    jobs_age_in_progress: str
 
 
 def parse(text: str) -> dict[str, str]:

@@ -270,7 +270,7 @@ class Worker:
     async def _process(self, job: ClaimedJob) -> None:
         cfg = self.config
         store = self._store
-        if job.old_attempt >= cfg.max_attempts:
+        if self._out_of_attempts(job):
             log.warning("job %s: attempt %d exceeds the cap; failing", job.id, job.attempt)
             await self._fail(job, MAX_ATTEMPTS_EXCEEDED, own_build_id=_raw_build_id(job))
             return
@@ -319,6 +319,10 @@ class Worker:
             else:
                 self.stats.failed += 1
         log.info("job %s (%s %s): %s", job.id, payload.kind, payload.label(), status or "gone")
+
+    def _out_of_attempts(self, job: ClaimedJob) -> bool:
+        """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""
+        return job.old_attempt >= self.config.max_attempts
 
     async def _reset_panicked_job(self, job: ClaimedJob, payload: Payload) -> None:
         """

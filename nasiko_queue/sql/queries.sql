@@ -264,3 +264,32 @@ SELECT build_status, url FROM mcp_connectors WHERE id = $1;
 
 -- name: connector_build_get_status
 SELECT status FROM mcp_connector_builds WHERE id = $1;
+
+-- The statements below serve `nasiko_queue.testing`: the state machine reads
+-- the whole queue after every step and compares it with its model.
+
+-- name: snapshot_jobs
+SELECT id, status, attempt, error_msg, picked_at IS NOT NULL AS picked,
+       completed_at IS NOT NULL AS completed
+FROM build_jobs;
+
+-- name: snapshot_agents
+SELECT id, status, deleted_at IS NOT NULL AS soft_deleted FROM agents;
+
+-- name: snapshot_connectors
+SELECT id, coalesce(build_status, 'null') AS status FROM mcp_connectors;
+
+-- name: snapshot_agent_builds
+SELECT id, agent_id AS target_id, status::text AS status FROM agent_builds;
+
+-- name: snapshot_connector_builds
+SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
+
+-- name: testing_truncate_all
+-- Start a state-machine example from an empty queue.
+TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors;
+
+-- name: jobs_age_in_progress
+-- Pretend every in_progress job was claimed $1 minutes ago (no waiting an hour).
+UPDATE build_jobs SET picked_at = now() - make_interval(mins => $1)
+WHERE status = 'in_progress';

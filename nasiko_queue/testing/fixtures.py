@@ -17,8 +17,8 @@ from uuid import UUID
 
 import attrs
 
-from ._sql import Q
-from .payloads import (
+from .._sql import Q
+from ..payloads import (
     Clone,
     GithubClone,
     GithubSource,
@@ -30,8 +30,8 @@ from .payloads import (
     Upload,
     ZipSource,
 )
-from .queue import Queue
-from .secrets import Secret
+from ..queue import Queue
+from ..secrets import Secret
 
 #: The seven built-in kinds, in the original's order.
 KINDS = ("Upload", "Update", "Rollback", "StandaloneBuild", "Clone", "GithubClone",

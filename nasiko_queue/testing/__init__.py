@@ -1,0 +1,25 @@
+"""
+Testing support: helpers that play the application's part, and a model of SPEC.md.
+
+* `nasiko_queue.testing` (this module): create agents, connectors, build rows
+  and jobs the way the original's enqueue points do; `QueueModel`, the
+  executable form of SPEC.md §5–§7. No dependency beyond the library's own.
+* `nasiko_queue.testing.machine`: the Hypothesis state machine that drives the
+  real engine against the model (needs ``hypothesis``: ``pip install
+  nasiko-queue[test]``).
+
+.. versionadded:: 0.1.0
+"""
+
+from .fixtures import KINDS as KINDS
+from .fixtures import Enqueued as Enqueued
+from .fixtures import Sql as Sql
+from .fixtures import enqueue_with_target as enqueue_with_target
+from .fixtures import insert_agent as insert_agent
+from .fixtures import insert_agent_build as insert_agent_build
+from .fixtures import insert_connector as insert_connector
+from .fixtures import insert_connector_build as insert_connector_build
+from .fixtures import make_payload as make_payload
+from .fixtures import set_build_status as set_build_status
+from .model import Outcome as Outcome
+from .model import QueueModel as QueueModel

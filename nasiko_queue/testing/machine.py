@@ -1,0 +1,640 @@
+"""
+A Hypothesis state machine that drives the real engine against `QueueModel`.
+
+Every step does something to the queue — enqueue a job of any kind (valid or
+not, for an agent or a connector, with or without an earlier successful
+build), let a worker drain with each run's outcome chosen by Hypothesis,
+crash a worker right after its claim, age stuck rows, sweep, delete targets,
+run two workers at once — and then compares the whole database with the model
+and checks the invariants of SPEC.md. A failure comes back shrunk to the
+shortest sequence of steps that breaks a rule.
+
+Use it on your own executors: they meet a scripted outside world
+(`ScriptedWorld`) that tells each run what to do, and must report through the
+build row as the built-in ones do::
+
+    from nasiko_queue.testing.machine import QueueStateMachine, run_queue_state_machine
+
+    class MyMachine(QueueStateMachine):
+        def make_executors(self, world):
+            executors = Executors()
+            @executors.register(Upload)
+            async def build(ctx):
+                outcome = world.begin(ctx)          # what the fake world does this run
+                await my_build_pipeline(ctx, fake_backend(outcome))
+            return executors
+
+    async def test_my_executors(dsn):               # a pytest-trio test
+        await run_queue_state_machine(dsn, MyMachine)
+
+Hypothesis runs synchronously in a worker thread (`trio.to_thread`); each rule
+calls back into the test's trio loop with `trio.from_thread.run`, so the
+database pool, the workers and their nurseries all live in the test's own
+trio run (hypothesis-trio is dead; trio-asyncpg-notes §4).
+
+Settings profiles: ``nasiko-ci`` (the default: 20 examples of up to 25 steps,
+derandomized so every run is the same) and ``nasiko-thorough`` (400 examples of
+up to 50 steps, random); choose with NASIKO_QUEUE_HYPOTHESIS_PROFILE.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+from uuid import UUID
+
+import attrs
+import trio
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from .._sql import Q
+from ..config import QueueConfig
+from ..database import Database, open_database
+from ..executors import Executors, JobContext
+from ..jobs import JobStore, PgJobStore
+from ..payloads import BUILTIN_PAYLOAD_TYPES, Payload
+from ..queue import Queue
+from ..secrets import SecretBox
+from ..worker import Worker
+from .fixtures import (
+    KINDS,
+    insert_agent,
+    insert_agent_build,
+    insert_connector,
+    insert_connector_build,
+    make_payload,
+)
+from .model import Outcome, QueueModel, TargetKind, TargetState
+
+T = TypeVar("T")
+
+settings.register_profile(
+    "nasiko-ci",
+    max_examples=20,
+    stateful_step_count=25,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "nasiko-thorough",
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+#: Invalid payloads the machine enqueues (by plain SQL, as a buggy or foreign writer would).
+INVALID_SHAPES = ("missing_fields", "unknown_kind", "wrong_type", "not_an_object")
+
+#: The configuration the machine runs the engine with: SPEC's constants, a tiny
+#: wake channel (so that a burst of enqueues fills it) and quick retries.
+HARNESS_CONFIG = QueueConfig(
+    wake_capacity=4,
+    poll_interval=60.0,
+    recovery_interval=3600.0,
+    retry_initial_delay=0.01,
+    retry_max_delay=0.05,
+)
+
+
+def profile() -> settings:
+    """The settings profile chosen by NASIKO_QUEUE_HYPOTHESIS_PROFILE (default nasiko-ci)."""
+    return settings.get_profile(os.environ.get("NASIKO_QUEUE_HYPOTHESIS_PROFILE", "nasiko-ci"))
+
+
+class SimulatedCrash(Exception):
+    """What a scripted executor raises for `Outcome.RAISE`."""
+
+
+class ScriptedWorld:
+    """
+    The fake outside world: which `Outcome` each run of each job has.
+
+    Executors call `begin(ctx)` at the start of every run; it records the run
+    and returns what the outside world does this time. The built-in scripted
+    executors then write what a real executor would (`report`).
+    """
+
+    def __init__(self) -> None:
+        self.plans: dict[UUID, tuple[Outcome, ...]] = {}
+        self.runs: Counter[UUID] = Counter()
+        self.hung = trio.Event()
+        #: Set by the machine for one drain: ask for a graceful stop during run n.
+        self.stop_during_run: int | None = None
+        self.request_stop: Callable[[], None] = lambda: None
+        self._runs_this_drain = 0
+
+    def new_drain(self, stop_during_run: int | None, request_stop: Callable[[], None]) -> None:
+        self.hung = trio.Event()
+        self.stop_during_run = stop_during_run
+        self.request_stop = request_stop
+        self._runs_this_drain = 0
+
+    def begin(self, ctx: JobContext[Any]) -> Outcome:
+        self.runs[ctx.job_id] += 1
+        self._runs_this_drain += 1
+        if self._runs_this_drain == self.stop_during_run:
+            self.request_stop()  # SIGTERM arrives while this job runs
+        plan = self.plans.get(ctx.job_id, ())
+        index = ctx.attempt - 1
+        return plan[index] if index < len(plan) else Outcome.SUCCEED
+
+    async def hang(self) -> None:
+        """Never return, and say so (the machine then hard-stops the worker)."""
+        self.hung.set()
+        await trio.sleep_forever()
+
+    @staticmethod
+    async def report(ctx: JobContext[Any], build_status: str,
+                     target_status: str | None = None) -> None:
+        """Write the build row, and optionally the target, as a real executor would."""
+        payload: Payload = ctx.payload
+        if ctx.target.connector_id is not None:
+            await ctx.db.execute(Q.connector_build_set_status, payload.build_id, build_status)
+            if target_status is not None:
+                url = "http://mcp.local/mcp" if target_status == "running" else None
+                await ctx.db.execute(Q.connector_set_build_status, ctx.target.connector_id,
+                                     target_status, url)
+        else:
+            await ctx.db.execute(Q.agent_build_set_status, payload.build_id, build_status)
+            if target_status is not None:
+                await ctx.db.execute(Q.agent_set_status, ctx.target.agent_id, target_status)
+
+
+def scripted_executors(
+    world: ScriptedWorld, payload_types: Sequence[type[Payload]] = BUILTIN_PAYLOAD_TYPES
+) -> Executors:
+    """One executor for every payload type that does exactly what `world` scripts."""
+
+    async def run(ctx: JobContext[Any]) -> None:
+        outcome = world.begin(ctx)
+        if outcome is Outcome.SUCCEED:
+            await world.report(ctx, "success", "running")
+        elif outcome is Outcome.FAIL:
+            await world.report(ctx, "failed", "failed")
+        elif outcome is Outcome.RAISE:
+            await world.report(ctx, "building")
+            raise SimulatedCrash(f"scripted crash on attempt {ctx.attempt}")
+        elif outcome is Outcome.HANG:
+            await world.report(ctx, "building")
+            await world.hang()
+        elif outcome is Outcome.DELETE_TARGET:
+            if ctx.target.connector_id is not None:
+                await ctx.db.execute(Q.connector_delete, ctx.target.connector_id)
+            else:
+                await ctx.db.execute(Q.agent_delete, ctx.target.agent_id)
+        elif outcome is Outcome.SOFT_DELETE:
+            if ctx.target.agent_id is not None:
+                await ctx.db.execute(Q.agent_soft_delete, ctx.target.agent_id)
+            await world.report(ctx, "success", "running")
+
+    executors = Executors()
+    for payload_type in payload_types:
+        executors.register(payload_type, run)
+    return executors
+
+
+@attrs.define
+class _Env:
+    """What the machine needs from the trio side; set by `run_queue_state_machine`."""
+
+    db: Database
+    secrets: SecretBox
+    rule_timeout: float
+
+
+class QueueStateMachine(RuleBasedStateMachine):
+    """
+    The engine against `QueueModel`, one Hypothesis step at a time.
+
+    Subclass to test your own code; override any of:
+
+    * `kinds`: which payload kinds the machine enqueues (default: all seven);
+    * `make_payload(kind, target_id, build_id, owner_id, name)`: your payloads;
+    * `make_executors(world)`: your executors, driven by `world.begin(ctx)`;
+    * `make_queue(db)`: your `Queue` (configuration, secrets);
+    * `config`: the `QueueConfig` (keep the tiny wake channel to test wakes).
+    """
+
+    _env: ClassVar[_Env | None] = None
+    kinds: ClassVar[tuple[str, ...]] = KINDS
+    config: ClassVar[QueueConfig] = HARNESS_CONFIG
+
+    def __init__(self) -> None:
+        super().__init__()
+        if self._env is None:
+            raise RuntimeError("run the machine with run_queue_state_machine(), which binds "
+                               "it to a database and the test's trio loop")
+        self.env: _Env = self._env
+        self.world = ScriptedWorld()
+        self.queue = self.make_queue(self.env.db)
+        self.executors = self.make_executors(self.world)
+        known = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES) | self.executors.kinds
+        self.model = QueueModel(max_attempts=self.config.max_attempts,
+                                runnable=self.executors.kinds, known=known)
+        self.known = known
+        self.store = self.make_store()
+        self.finished: dict[UUID, tuple[Any, ...]] = {}
+        self.attempts: dict[UUID, int] = {}
+        self.enqueued: set[UUID] = set()
+        # The worker of the next drain exists already, so that enqueues wake it
+        # (into its channel) exactly as they wake a running worker.
+        self.next_worker = self._new_worker()
+
+    # -- hooks for users ----------------------------------------------------------------
+
+    def make_queue(self, db: Database) -> Queue:
+        return Queue(db, config=self.config, secrets=self.env.secrets)
+
+    def make_executors(self, world: ScriptedWorld) -> Executors:
+        return scripted_executors(world)
+
+    def make_store(self) -> JobStore:
+        """The job store every worker of the machine uses (a seam for mutation tests)."""
+        return PgJobStore(self.env.db, self.config, runnable_kinds=self.executors.kinds,
+                          known_kinds=self.known)
+
+    def make_worker(self) -> Worker:
+        return Worker(self.queue, self.executors, store=self.make_store())
+
+    def make_payload(self, kind: str, *, target_id: UUID, build_id: UUID, owner_id: UUID,
+                     name: str) -> Payload:
+        return make_payload(kind, target_id=target_id, build_id=build_id, owner_id=owner_id,
+                            name=name, env={"API_TOKEN": "s3cret-" + name})
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        async def bounded() -> T:
+            with trio.fail_after(self.env.rule_timeout):
+                return await fn(*args)
+
+        return trio.from_thread.run(bounded)
+
+    def _new_worker(self) -> Worker:
+        worker = self.make_worker()
+        self.queue._add_waker(worker.wake)
+        return worker
+
+    @initialize()
+    def start_empty(self) -> None:
+        self._call(self.env.db.execute, Q.testing_truncate_all)
+
+    def teardown(self) -> None:
+        self.queue._remove_waker(self.next_worker.wake)
+
+    # -- rules: the application ----------------------------------------------------------
+
+    @rule(
+        kind=st.sampled_from(KINDS),
+        prior_success=st.booleans(),
+        plan=st.lists(st.sampled_from(Outcome), max_size=4),
+        stored_attempt=st.sampled_from((0, 0, 0, 1, 2, 3, 4)),
+    )
+    def enqueue(self, kind: str, prior_success: bool, plan: list[Outcome],
+                stored_attempt: int) -> None:
+        """
+        A valid job for a new target (as the original's enqueue points create it).
+
+        `stored_attempt` > 0 plays a row left by another writer with attempts
+        already used (the original's inline-exhaustion test does exactly this).
+        """
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        self._call(self._enqueue, kind, prior_success, tuple(plan), stored_attempt)
+
+    async def _enqueue(self, kind: str, prior_success: bool, plan: tuple[Outcome, ...],
+                       stored_attempt: int = 0) -> None:
+        owner = uuid.uuid4()
+        name = f"{kind.lower()}-{len(self.enqueued)}"
+        connector = kind == "McpServerUpload"
+        async with self.queue.db.transaction() as tx:
+            target, builds = await self._insert_target(tx, owner, name, connector, prior_success)
+            build = (await insert_connector_build(tx, target, owner_id=owner) if connector
+                     else await insert_agent_build(tx, target))
+            payload = self.make_payload(kind, target_id=target, build_id=build, owner_id=owner,
+                                        name=name)
+            job_id = await self.queue.enqueue(payload, tx=tx, owner_id=owner)
+            if stored_attempt:
+                await tx.execute(Q.job_set_attempt, job_id, stored_attempt)
+        builds[build] = "pending" if connector else "queued"
+        self.world.plans[job_id] = plan
+        self._add(job_id, payload.kind, True, target, build, builds, connector, plan)
+        self.model.jobs[job_id].attempt = stored_attempt
+
+    async def _insert_target(self, tx: Any, owner: UUID, name: str, connector: bool,
+                             prior_success: bool) -> tuple[UUID, dict[UUID, str]]:
+        builds: dict[UUID, str] = {}
+        if connector:
+            target = await insert_connector(tx, owner_id=owner, name=name)
+            if prior_success:
+                builds[await insert_connector_build(tx, target, owner_id=owner,
+                                                    status="success", version_tag="v0")] = \
+                    "success"
+        else:
+            target = await insert_agent(tx, owner_id=owner, name=name)
+            if prior_success:
+                builds[await insert_agent_build(tx, target, status="success",
+                                                version_tag="v0")] = "success"
+        return target, builds
+
+    def _add(self, job_id: UUID, kind: str | None, valid: bool, target: UUID,
+             build: UUID | None, builds: dict[UUID, str], connector: bool,
+             plan: tuple[Outcome, ...] = ()) -> None:
+        self.model.add_target(TargetState(
+            kind=TargetKind.CONNECTOR if connector else TargetKind.AGENT, id=target,
+            status="pending" if connector else "deploying", builds=builds))
+        self.model.add_job(job_id, kind=kind, valid=valid, target=target, build_id=build,
+                           plan=plan)
+        self.enqueued.add(job_id)
+
+    @rule(shape=st.sampled_from(INVALID_SHAPES), connector=st.booleans(),
+          prior_success=st.booleans())
+    def enqueue_invalid(self, shape: str, connector: bool, prior_success: bool) -> None:
+        """A job whose payload no payload type accepts, written by plain SQL."""
+        self._call(self._enqueue_invalid, shape, connector, prior_success)
+
+    async def _enqueue_invalid(self, shape: str, connector: bool, prior_success: bool) -> None:
+        import json
+
+        owner = uuid.uuid4()
+        name = f"invalid-{len(self.enqueued)}"
+        async with self.queue.db.transaction() as tx:
+            target, builds = await self._insert_target(tx, owner, name, connector, prior_success)
+            build = (await insert_connector_build(tx, target, owner_id=owner) if connector
+                     else await insert_agent_build(tx, target))
+            kind = "McpServerUpload" if connector else "Upload"
+            body: Any
+            if shape == "missing_fields":
+                body = {"kind": kind, "build_id": str(build)}
+            elif shape == "unknown_kind":
+                body = {"kind": "NoSuchKind", "build_id": str(build)}
+                kind = "NoSuchKind"
+            elif shape == "wrong_type":
+                valid = self.queue._codec.encode(make_payload(
+                    kind, target_id=target, build_id=build, owner_id=owner, name=name))
+                body = {**valid, "name": 42}
+            else:
+                body = ["not", "an", "object"]
+            agent_id, connector_id = (None, target) if connector else (target, None)
+            job_id = await tx.fetchval(Q.job_insert, agent_id, connector_id, owner,
+                                       json.dumps(body))
+        builds[build] = "pending" if connector else "queued"
+        claim_kind = None if shape == "not_an_object" else kind
+        own_build = None if shape == "not_an_object" else build
+        self._add(job_id, claim_kind, False, target, own_build, builds, connector)
+        if own_build is None:  # the model still needs to know the build row exists
+            self.model.targets[target].builds[build] = builds[build]
+
+    @rule()
+    def enqueue_burst(self) -> None:
+        """More enqueues than the wake channel holds, while no worker drains: none waits."""
+        for i in range(self.config.wake_capacity + 1):
+            self._call(self._enqueue, self.kinds[i % len(self.kinds)], False, ())
+
+    @precondition(lambda self: bool(self.model.targets))
+    @rule(data=st.data())
+    def hard_delete_target(self, data: st.DataObject) -> None:
+        # Insertion order, not UUID order: replays must draw the same target.
+        target_id = data.draw(st.sampled_from(list(self.model.targets)), label="target")
+        target = self.model.targets[target_id]
+        sql = Q.connector_delete if target.kind is TargetKind.CONNECTOR else Q.agent_delete
+        self._call(self.env.db.execute, sql, target_id)
+        self.model.hard_delete(target_id)
+
+    @precondition(lambda self: any(t.kind is TargetKind.AGENT and not t.soft_deleted
+                                   for t in self.model.targets.values()))
+    @rule(data=st.data())
+    def soft_delete_agent(self, data: st.DataObject) -> None:
+        choices = [t.id for t in self.model.targets.values()
+                   if t.kind is TargetKind.AGENT and not t.soft_deleted]
+        target_id = data.draw(st.sampled_from(choices), label="agent")
+        self._call(self.env.db.execute, Q.agent_soft_delete, target_id)
+        self.model.soft_delete(target_id)
+
+    # -- rules: workers -------------------------------------------------------------------
+
+    @rule(hard=st.booleans(), stop_during_run=st.none() | st.integers(1, 3))
+    def drain(self, hard: bool, stop_during_run: int | None) -> None:
+        """
+        A worker starts (startup sweep), drains, and stops gracefully or hard
+        once idle — or is asked to stop gracefully while its n-th job runs.
+        """
+        self._call(self._drain, [self.next_worker], hard, stop_during_run)
+        self.queue._remove_waker(self.next_worker.wake)
+        self.model.drain(stop_after_runs=stop_during_run)
+        self.next_worker = self._new_worker()
+
+    @precondition(lambda self: not any(
+        Outcome.HANG in j.remaining_plan() for j in self.model.jobs.values()
+        if j.status in ("pending", "in_progress")))
+    @rule()
+    def drain_with_two_workers(self) -> None:
+        """Two replicas drain the same table at once (SKIP LOCKED keeps claims apart)."""
+        other = self.make_worker()
+        self._call(self._drain, [self.next_worker, other], False)
+        self.queue._remove_waker(self.next_worker.wake)
+        self.model.drain()
+        self.next_worker = self._new_worker()
+
+    async def _drain(self, workers: list[Worker], hard: bool,
+                     stop_during_run: int | None = None) -> None:
+        self.world.new_drain(stop_during_run, workers[0].stop)
+        hung = self.world.hung
+        scopes = [trio.CancelScope() for _ in workers]
+
+        async def run(worker: Worker, scope: trio.CancelScope, *,
+                      task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await worker.run(task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            for worker, scope in zip(workers, scopes, strict=True):
+                await nursery.start(run, worker, scope)
+            # Wait until every worker has drained, or an executor hangs.
+            async with trio.open_nursery() as waiting:
+
+                async def drain_once(worker: Worker) -> None:
+                    try:
+                        await worker.drain_once()
+                    except RuntimeError:
+                        # Asked to stop mid-drain: no further drain will run.
+                        assert stop_during_run is not None
+                        await worker.wait_for(lambda stats: stats.running == 0)
+
+                async def drain_all() -> None:
+                    async with trio.open_nursery() as inner:
+                        for worker in workers:
+                            inner.start_soon(drain_once, worker)
+                    waiting.cancel_scope.cancel()
+
+                async def watch_hang() -> None:
+                    await hung.wait()
+                    waiting.cancel_scope.cancel()
+
+                waiting.start_soon(drain_all)
+                waiting.start_soon(watch_hang)
+            if hard or hung.is_set():
+                for scope in scopes:
+                    scope.cancel()
+            else:
+                for worker in workers:
+                    worker.stop()
+
+    @rule()
+    def crash_after_claim(self) -> None:
+        """A worker process claims a job and dies (SIGKILL): the row stays in_progress."""
+        claimed = self._call(self.store.claim, 1)
+        expected = self.model.crash_claim()
+        assert [j.id for j in claimed] == ([expected.id] if expected else []), (
+            f"claim took {[j.id for j in claimed]}, the oldest claimable is "
+            f"{expected.id if expected else None}")
+
+    @rule()
+    def poison_job(self) -> None:
+        """
+        The oldest job kills its worker every time it runs: claim, die, an hour
+        passes, the sweep — until the sweep gives up on it (MAX_ATTEMPTS runs).
+        """
+        for _ in range(self.config.max_attempts + 1):
+            self.crash_after_claim()
+            self.age_stuck_jobs()
+            self.recovery_sweep()
+
+    @rule()
+    def age_stuck_jobs(self) -> None:
+        """An hour passes for every in_progress row (picked_at moved back in SQL)."""
+        self._call(self.env.db.execute, Q.jobs_age_in_progress, self.config.stuck_job_mins + 1)
+        self.model.age()
+
+    @rule()
+    def recovery_sweep(self) -> None:
+        result = self._call(self.store.recover)
+        assert (result.failed, result.reset) == self.model.recover()
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def database_equals_model(self) -> None:
+        db = self._call(self._snapshot)
+        assert db["jobs"] == self.model.job_rows(), _diff("jobs", db["jobs"],
+                                                         self.model.job_rows())
+        assert db["targets"] == self.model.target_rows(), _diff(
+            "targets", db["targets"], self.model.target_rows())
+        assert db["builds"] == self.model.build_rows(), _diff(
+            "builds", db["builds"], self.model.build_rows())
+        self._check_history(db["jobs"])
+        self._check_terminal(db)
+
+    async def _snapshot(self) -> dict[str, Any]:
+        async def read(conn: Any) -> dict[str, Any]:
+            jobs = {r["id"]: (r["status"], r["attempt"], r["error_msg"], r["picked"],
+                              r["completed"]) for r in await conn.fetch(Q.snapshot_jobs)}
+            targets = {r["id"]: ("agent", r["status"], r["soft_deleted"])
+                       for r in await conn.fetch(Q.snapshot_agents)}
+            targets.update({r["id"]: ("connector", r["status"], False)
+                            for r in await conn.fetch(Q.snapshot_connectors)})
+            builds = {r["id"]: (r["target_id"], r["status"])
+                      for r in await conn.fetch(Q.snapshot_agent_builds)}
+            builds.update({r["id"]: (r["target_id"], r["status"])
+                           for r in await conn.fetch(Q.snapshot_connector_builds)})
+            return {"jobs": jobs, "targets": targets, "builds": builds}
+
+        return await self.env.db.run(read)
+
+    def _check_history(self, jobs: dict[UUID, tuple[Any, ...]]) -> None:
+        for job_id, row in jobs.items():
+            # A job runs at most MAX_ATTEMPTS times.
+            assert self.world.runs[job_id] <= self.config.max_attempts, (
+                f"job {job_id} ran {self.world.runs[job_id]} times")
+            # Attempt never decreases.
+            assert row[1] >= self.attempts.get(job_id, 0), f"attempt of {job_id} went down"
+            self.attempts[job_id] = row[1]
+            # Done and failed rows never change again.
+            if job_id in self.finished:
+                assert row == self.finished[job_id], f"finished job {job_id} changed: {row}"
+            elif row[0] in ("done", "failed"):
+                self.finished[job_id] = row
+        for job_id in self.finished:
+            assert job_id in jobs or job_id in self.model.gone, f"finished job {job_id} lost"
+        # No job is lost: present once, or gone with its deleted target.
+        for job_id in self.enqueued:
+            assert (job_id in jobs) != (job_id in self.model.gone), f"job {job_id} lost"
+
+    def _check_terminal(self, db: dict[str, Any]) -> None:
+        """A job failed for good leaves no target non-terminal (when nothing else is live)."""
+        live_targets = {self.model.jobs[j].target for j, row in db["jobs"].items()
+                        if row[0] in ("pending", "in_progress") and j in self.model.jobs}
+        for job_id, row in db["jobs"].items():
+            if row[0] != "failed" or job_id not in self.model.jobs:
+                continue
+            target_id = self.model.jobs[job_id].target
+            if target_id in live_targets or target_id not in db["targets"]:
+                continue
+            kind, status, soft_deleted = db["targets"][target_id]
+            open_builds = [s for t, s in db["builds"].values()
+                           if t == target_id and s in ("building", "pending")]
+            assert not open_builds, f"job {job_id} failed but target {target_id} has {open_builds}"
+            if kind == "agent":
+                assert soft_deleted or status != "deploying", (
+                    f"job {job_id} failed for good but agent {target_id} is still deploying")
+            else:
+                assert status not in ("pending", "building"), (
+                    f"job {job_id} failed for good but connector {target_id} is {status}")
+
+
+def _diff(what: str, actual: dict[Any, Any], expected: dict[Any, Any]) -> str:
+    lines = [f"{what}: database differs from the model"]
+    for key in sorted(set(actual) | set(expected), key=str):
+        if actual.get(key) != expected.get(key):
+            lines.append(f"  {key}: database={actual.get(key)!r} model={expected.get(key)!r}")
+    return "\n".join(lines)
+
+
+async def run_queue_state_machine(
+    db_or_dsn: Database | str,
+    machine: type[QueueStateMachine] = QueueStateMachine,
+    *,
+    settings: settings | None = None,
+    secrets: SecretBox | None = None,
+    rule_timeout: float = 20.0,
+) -> None:
+    """
+    Run `machine` against a migrated database, from a trio test.
+
+    Args:
+        db_or_dsn: an open `Database` or a DSN (the tables are truncated before
+            every example: give it a database of its own).
+        machine: `QueueStateMachine` or your subclass.
+        settings: Hypothesis settings; default `profile()`.
+        secrets: the key for sealed payload fields (a fixed test key by default).
+        rule_timeout: seconds one rule may take; a rule that blocks (a wake that
+            waits, a drain that never ends) fails the example instead of hanging.
+    """
+    if isinstance(db_or_dsn, str):
+        async with open_database(db_or_dsn) as db:
+            await run_queue_state_machine(db, machine, settings=settings, secrets=secrets,
+                                          rule_timeout=rule_timeout)
+        return
+    env = _Env(db=db_or_dsn, secrets=secrets or SecretBox(b"t" * 32),
+               rule_timeout=rule_timeout)
+    bound = type(machine.__name__, (machine,), {"_env": env})
+    chosen = settings or profile()
+    await trio.to_thread.run_sync(lambda: run_state_machine_as_test(bound, settings=chosen))
