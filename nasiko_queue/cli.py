@@ -8,7 +8,9 @@ lives elsewhere (`status.queue_status`, `demo.run_demo`).
 Errors are for operators, not for developers: a database that cannot be reached,
 a wrong DSN or a schema that is not migrated ends the command with one line on
 stderr and exit code 1 (2 for a usage error such as a missing ``--dsn``), never
-with a traceback. The DSN's password never appears in any message.
+with a traceback. The DSN's password never appears in any message. The one
+exception is `worker` facing a server that is down or starting: it logs one line
+per try and waits for it (SPEC §5), as it does for an outage once running.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -269,6 +272,8 @@ class _Shutdown:
 
     graceful: bool = False
     hard: bool = False
+    #: Set by the first signal (wakes a worker still waiting for its database).
+    requested: trio.Event = attrs.Factory(trio.Event)
 
 
 async def _watch_signals(
@@ -279,6 +284,7 @@ async def _watch_signals(
         name = signal.Signals(signum).name
         if not shutdown.graceful:
             shutdown.graceful = True
+            shutdown.requested.set()
             log.info("%s: stopping once the running jobs finish (send it again to stop now)",
                      name)
             worker.stop()
@@ -306,17 +312,60 @@ async def _check_schema(db: Database) -> None:
         )
 
 
+def _unreachable(exc: BaseException) -> bool:
+    """
+    Whether `exc` says the server is down, starting or shutting down: an outage.
+
+    A host name that does not resolve, and anything the server itself answers (no
+    such database, a wrong password, no schema), is a mistake to report instead.
+    """
+    for leaf in _leaves(exc):
+        if isinstance(leaf, socket.gaierror):
+            return False
+        if isinstance(leaf, OSError | asyncpg.PostgresConnectionError
+                      | asyncpg.CannotConnectNowError | asyncpg.AdminShutdownError
+                      | asyncpg.CrashShutdownError):
+            return True
+    return False
+
+
+async def _check_schema_when_up(
+    db: Database, dsn: str, config: QueueConfig, shutdown: _Shutdown
+) -> bool:
+    """
+    `_check_schema`, waiting out a server that cannot be reached yet.
+
+    SPEC §5: losing the database makes the worker wait and reconnect, never exit;
+    that holds at startup too (a worker may come up before its database). Returns
+    False when a signal asked the worker to stop before the database answered.
+    """
+    delay = config.retry_initial_delay
+    while True:
+        try:
+            await _check_schema(db)
+            return True
+        except Exception as exc:
+            if not _unreachable(exc):
+                raise
+            log.warning("%s; retrying in %.1fs", _explain(exc, dsn), delay)
+        with trio.move_on_after(delay):
+            await shutdown.requested.wait()
+        if shutdown.requested.is_set():
+            return False
+        delay = min(delay * 2, config.retry_max_delay)
+
+
 async def _work(dsn: str, executors: Executors, config: QueueConfig,
                 secrets: SecretBox | None) -> int:
     shutdown = _Shutdown()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_database(dsn) as db:
-            await _check_schema(db)
             worker = Worker(Queue(db, config=config, secrets=secrets), executors)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, worker, nursery.cancel_scope,
                                    shutdown)
-                await worker.run()
+                if await _check_schema_when_up(db, dsn, config, shutdown):
+                    await worker.run()
                 nursery.cancel_scope.cancel()
     return EXIT_HARD_STOP if shutdown.hard else 0
 

@@ -64,5 +64,16 @@ class QueueConfig:
     retry_initial_delay: float = attrs.field(default=0.1, validator=_positive)
     #: Longest delay between two retries of a final update.
     retry_max_delay: float = attrs.field(default=10.0, validator=_positive)
-    #: How long a shielded cleanup (release on hard stop, rollback, pool release) may take.
+    #: How long a shielded cleanup (release on hard stop, rollback, pool release) may take;
+    #: also the bound on one attempt at a final update, which is shielded from hard stops.
     cleanup_timeout: float = attrs.field(default=5.0, validator=_positive)
+    #: Tries of a job's failed mark *with* its target's terminalization when the
+    #: database rejects it on its merits (say, a trigger of the application's that
+    #: forbids the delete). After that the job is marked failed alone and the
+    #: error logged, so that one undeletable target cannot wedge the worker.
+    #: Outages are retried for as long as they last and do not count.
+    terminalize_tries: int = attrs.field(default=5, validator=_at_least_one)
+    #: Kinds that other replicas run and this one does not know: this worker
+    #: leaves them pending instead of failing them as invalid (SPEC §5 claims
+    #: every unknown kind). Use it during rolling deploys that add a job type.
+    other_kinds: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)

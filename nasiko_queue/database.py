@@ -114,10 +114,30 @@ class Database:
         """Run `op(conn)` with a pooled connection, in one crossing."""
 
         async def on_asyncio() -> T:
-            async with self._pool.acquire(timeout=self.config.connect_timeout) as conn:
+            conn = await self._pool.acquire(timeout=self.config.connect_timeout)
+            try:
                 return await op(conn)
+            finally:
+                await self._release_after_use(conn)
 
         return await self._cross(on_asyncio())
+
+    async def _release_after_use(self, conn: asyncpg.Connection) -> None:
+        """
+        Return `conn` to the pool (asyncio side); a failure here undoes nothing.
+
+        By now the operation's statements were answered, or its own error is on its
+        way up. When the server drops the connection just after answering (a
+        `pg_terminate_backend`, a shutdown), asyncpg's reset on release fails and it
+        terminates the connection itself; raising that error would report a
+        committed claim as failed, and the claimed job would sit in_progress with no
+        one running it until the stuck-job sweep.
+        """
+        try:
+            await self._pool.release(conn)
+        except Exception as exc:
+            log.warning("a connection could not be returned to the pool (%s: %s); dropped",
+                        type(exc).__name__, exc)
 
     async def run_in_transaction(self, op: Operation[T]) -> T:
         """Run `op(conn)` inside one transaction, in one crossing."""

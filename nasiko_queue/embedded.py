@@ -8,7 +8,8 @@ The server listens on 127.0.0.1 on a free port and on a socket in its own data
 folder, runs with fsync off (it is for throw-away data), and is removed on exit.
 
 PostgreSQL refuses to run as root; when we are root, the server runs as the
-system user `postgres` if there is one, else as a user `nasiko-pg` created for it.
+system user `postgres` if there is one, else as `nobody` (a user `nasiko-pg` is
+created only where neither exists).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _free_port() -> int:
 def _server_user() -> str | None:
     if os.geteuid() != 0:
         return None
-    for name in ("postgres", "nasiko-pg"):
+    # Prefer an account that exists: PostgreSQL's own, or `nobody`; create one
+    # only on a machine that has neither.
+    for name in ("postgres", "nobody", "nasiko-pg"):
         try:
             pwd.getpwnam(name)
             return name

@@ -7,6 +7,9 @@ message, so most subclasses are just a docstring.
 
 from __future__ import annotations
 
+import asyncpg
+import trio
+
 
 class NasikoQueueError(Exception):
     """A nasiko-queue operation failed."""
@@ -49,3 +52,28 @@ class MigrationError(NasikoQueueError):
 
 class ConfigurationError(NasikoQueueError, ValueError):
     """A setting is out of range or two settings contradict each other."""
+
+
+#: PostgreSQL error classes that say "try again" rather than "this is wrong":
+#: 08 connection, 40 transaction rollback (serialization, deadlock), 53
+#: insufficient resources, 57 operator intervention (shutdown, cancel), 58 system.
+_TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """
+    Whether a database operation that raised `exc` may succeed if tried again.
+
+    Outages (refused or dropped connections, a server shutting down or starting,
+    time-outs) and the rollbacks PostgreSQL asks clients to retry (deadlock,
+    serialization failure) are transient. Anything the server rejects on its
+    merits — a constraint, a trigger that raises, a missing table — is not:
+    retrying it forever would wedge the worker on one job.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_transient(e) for e in exc.exceptions)
+    if isinstance(exc, OSError | asyncpg.InterfaceError | trio.TooSlowError):
+        return True  # OSError covers TimeoutError and ConnectionError
+    if isinstance(exc, asyncpg.PostgresError):
+        return str(getattr(exc, "sqlstate", "") or "")[:2] in _TRANSIENT_SQLSTATE_CLASSES
+    return False

@@ -26,6 +26,7 @@ import attrs
 from ._sql import Q
 from .config import QueueConfig
 from .database import Database
+from .errors import is_transient
 from .payloads import raw_build_id
 from .terminalize import terminalize_target
 
@@ -211,9 +212,19 @@ class PgJobStore:
                 Q.jobs_fail_exhausted_stuck, mins, max_attempts, MAX_ATTEMPTS_EXCEEDED
             )
             for row in rows:
-                await terminalize_target(
-                    conn, row["agent_id"], row["connector_id"], _build_id_of(row["payload"])
-                )
+                # Each target in a savepoint of its own: one target the database
+                # refuses to terminalize must not hold back every other stuck job
+                # sweep after sweep. An outage still aborts (and retries) the lot.
+                try:
+                    async with conn.transaction():
+                        await terminalize_target(conn, row["agent_id"], row["connector_id"],
+                                                 _build_id_of(row["payload"]))
+                except asyncpg.PostgresError as exc:
+                    if is_transient(exc):
+                        raise
+                    log.error("recovery: job %s failed for good, but its target could not be "
+                              "terminalized (%s: %s); left as it is", row["id"],
+                              type(exc).__name__, exc)
             return len(rows)
 
         failed = await self._db.run_in_transaction(fail_exhausted)

@@ -39,7 +39,7 @@ import attrs
 import trio
 
 from .config import QueueConfig
-from .errors import InvalidPayload
+from .errors import InvalidPayload, is_transient
 from .executors import Executors, JobContext
 from .jobs import (
     INVALID_PAYLOAD,
@@ -111,7 +111,7 @@ class Worker:
             queue.db,
             self.config,
             runnable_kinds=executors.kinds,
-            known_kinds=frozenset(types),
+            known_kinds=frozenset(types) | self.config.other_kinds,
         )
         self._wake_send, self._wake_recv = trio.open_memory_channel[None](
             self.config.wake_capacity
@@ -176,7 +176,10 @@ class Worker:
         if self._started:
             raise RuntimeError("a Worker runs once; create a new one")
         self._started = True
-        await self._until_success("startup recovery", self._recover)
+        if await self._until_success("startup recovery", self._recover) is None:
+            task_status.started()  # stopped before the database ever answered
+            log.info("worker stopped before it started")
+            return
         self.queue._add_waker(self.wake)
         try:
             async with trio.open_nursery() as timers:
@@ -230,12 +233,9 @@ class Worker:
                 if self._stop.is_set():
                     self._release_slots(free)
                     return
-                try:
-                    jobs = await self._store.claim(free)
-                except Exception:
-                    self.stats.claim_errors += 1
+                jobs = await self._claim(free)
+                if jobs is None:
                     self._release_slots(free)
-                    log.exception("claim failed; waiting for the next wake or poll")
                     return
                 self._release_slots(free - len(jobs))
                 if not jobs:
@@ -247,6 +247,26 @@ class Worker:
         finally:
             self.stats.drains_completed += 1
             self._notify()
+
+    async def _claim(self, limit: int) -> list[ClaimedJob] | None:
+        """
+        The claim, shielded and bounded: a hard stop must not cut it after the
+        server committed it, or the job would sit in_progress with no executor
+        until the sweep. None when it failed (logged; the drain stops).
+        """
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.config.cleanup_timeout):
+                try:
+                    return await self._store.claim(limit)
+                except Exception as exc:
+                    self.stats.claim_errors += 1
+                    log.error("claim failed (%s); waiting for the next wake or poll",
+                              _one_line(exc), exc_info=not is_transient(exc))
+                    return None
+            self.stats.claim_errors += 1
+            log.error("claim took over %.1fs; waiting for the next wake or poll",
+                      self.config.cleanup_timeout)
+        return None
 
     def _release_slots(self, n: int) -> None:
         for _ in range(n):
@@ -268,7 +288,6 @@ class Worker:
             self._notify()
 
     async def _process(self, job: ClaimedJob) -> None:
-        cfg = self.config
         store = self._store
         if self._out_of_attempts(job):
             log.warning("job %s: attempt %d exceeds the cap; failing", job.id, job.attempt)
@@ -342,11 +361,16 @@ class Worker:
     async def _fail(
         self, job: ClaimedJob, message: str, *, own_build_id: UUID | None, terminalize: bool = True
     ) -> None:
+        def fail(terminalize: bool) -> Callable[[], Awaitable[bool]]:
+            return lambda: self._store.fail(
+                job, message, own_build_id=own_build_id, terminalize=terminalize
+            )
+
         ours = await self._final(
             "fail",
-            lambda: self._store.fail(
-                job, message, own_build_id=own_build_id, terminalize=terminalize
-            ),
+            fail(terminalize),
+            # The target's terminalization is refused for good: mark the job alone.
+            fallback=fail(False) if terminalize else None,
         )
         if ours:
             self.stats.failed += 1
@@ -361,20 +385,42 @@ class Worker:
                 log.exception("job %s: could not be put back after a hard stop; "
                               "the recovery sweep will", job.id)
 
-    async def _final(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+    async def _final(
+        self,
+        what: str,
+        op: Callable[[], Awaitable[T]],
+        *,
+        fallback: Callable[[], Awaitable[T]] | None = None,
+    ) -> T:
         """
         A final update: retried with backoff until it succeeds (SPEC §5 [decision]).
 
         A finished job's result must not be lost, or the sweep would run the
-        build again. If a hard stop cancels the retries, one last shielded,
-        bounded attempt is made.
+        build again. So each attempt is shielded from a hard stop (bounded by
+        `cleanup_timeout`); only the wait between attempts can be cancelled, and
+        then one last attempt is made. When the database keeps rejecting `op`
+        on its merits (not an outage), `fallback` takes over after
+        `terminalize_tries` attempts.
         """
         delay = self.config.retry_initial_delay
+        rejected = 0
         while True:
-            try:
-                return await op()
-            except Exception:
-                log.warning("%s update failed; retrying in %.2fs", what, delay, exc_info=True)
+            failure: BaseException = trio.TooSlowError(
+                f"took over {self.config.cleanup_timeout}s")
+            with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+                try:
+                    return await op()
+                except Exception as exc:
+                    failure = exc
+            if not is_transient(failure):
+                rejected += 1
+                if fallback is not None and rejected >= self.config.terminalize_tries:
+                    log.error("%s update rejected %d times (%s); falling back", what, rejected,
+                              _one_line(failure))
+                    op, fallback, rejected = fallback, None, 0
+                    continue
+            log.warning("%s update failed (%s); retrying in %.2fs", what, _one_line(failure),
+                        delay, exc_info=failure)
             try:
                 await trio.sleep(delay)
             except trio.Cancelled:
@@ -415,14 +461,18 @@ class Worker:
                 if next_tick <= now:
                     next_tick += period
 
-    async def _until_success(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+    async def _until_success(self, what: str, op: Callable[[], Awaitable[T]]) -> T | None:
+        """Retry `op` with backoff until it succeeds; None if `stop()` came first."""
         delay = self.config.retry_initial_delay
         while True:
             try:
                 return await op()
             except Exception as exc:
                 log.warning("%s failed (%s); retrying in %.2fs", what, _one_line(exc), delay)
-            await trio.sleep(delay)
+            with trio.move_on_after(delay):
+                await self._stop.wait()
+            if self._stop.is_set():
+                return None
             delay = min(delay * 2, self.config.retry_max_delay)
 
 

@@ -66,14 +66,19 @@ async def fail_build(ctx: Any) -> None:
     await set_build_status(ctx.db, ctx.payload, "failed")
 
 
+#: No engine test needs anywhere near this long; a rule broken into a hang fails here.
+TEST_DEADLINE = 60.0
+
+
 @asynccontextmanager
 async def running(queue: Queue, executors: Executors) -> AsyncIterator[Worker]:
-    """A started worker; stopped gracefully (and waited for) on exit."""
+    """A started worker; stopped gracefully (and waited for) on exit, within a deadline."""
     worker = Worker(queue, executors)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        yield worker
-        worker.stop()
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            yield worker
+            worker.stop()
 
 
 class LogEvent(logging.Handler):

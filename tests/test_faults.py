@@ -13,10 +13,19 @@ from typing import Any
 import pytest
 import trio
 
-from nasiko_queue import Database, JobContext, Queue
+from nasiko_queue import Database, JobContext, Queue, Worker
+from nasiko_queue.jobs import MAX_ATTEMPTS_EXCEEDED, PgJobStore
 from nasiko_queue.testing import enqueue_with_target
 
-from .helpers import LogEvent, executors_for_all, job_row, running, succeed
+from .helpers import (
+    LogEvent,
+    agent_state,
+    build_state,
+    executors_for_all,
+    job_row,
+    running,
+    succeed,
+)
 
 FAULTS = """
 CREATE TABLE faults (op text PRIMARY KEY);
@@ -81,7 +90,7 @@ async def test_failed_final_update_is_retried_until_it_lands(
     if outcome == "panic-final":
         await queue.db.execute("UPDATE build_jobs SET attempt = 2 WHERE id = $1", job.job_id)
     await faults.execute("INSERT INTO faults VALUES ('final')")
-    with LogEvent("update failed; retrying") as failing:
+    with LogEvent("update failed (") as failing:
         async with running(queue, executors_for_all(run)) as worker, \
                 trio.open_nursery() as nursery:
             nursery.start_soon(worker.drain_once)
@@ -121,7 +130,7 @@ async def test_error_during_terminalization_deletes_nothing(
     """)
     job = await enqueue_with_target(queue, "Upload")  # never built: would be deleted
     await queue.db.execute("UPDATE build_jobs SET attempt = 3 WHERE id = $1", job.job_id)
-    with LogEvent("update failed; retrying") as failing:
+    with LogEvent("update failed (") as failing:
         async with running(queue, executors_for_all(succeed)) as worker, \
                 trio.open_nursery() as nursery:
             nursery.start_soon(worker.drain_once)
@@ -134,3 +143,89 @@ async def test_error_during_terminalization_deletes_nothing(
             await faults.execute("DELETE FROM faults")
     assert await queue.db.fetchval("SELECT count(*) FROM agents WHERE id = $1",
                                    job.target_id) == 0
+
+
+async def test_hard_stop_during_the_final_update_keeps_the_result(queue: Queue,
+                                                                  db: Database) -> None:
+    """The final update is shielded: a hard stop that lands while it is in flight
+    waits for it, so the finished build is recorded and never re-run by a sweep."""
+    await db.execute("""
+        CREATE FUNCTION slow_final() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.status = 'done' THEN PERFORM pg_sleep(0.5); END IF;
+            RETURN NEW;
+        END;
+        $$;
+        CREATE TRIGGER slow_final BEFORE UPDATE ON build_jobs
+            FOR EACH ROW EXECUTE FUNCTION slow_final();
+    """)
+    returned = trio.Event()
+
+    async def run(ctx: JobContext[Any]) -> None:
+        await succeed(ctx)
+        returned.set()
+
+    job = await enqueue_with_target(queue, "Upload")
+    worker = Worker(queue, executors_for_all(run))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await returned.wait()
+            await trio.lowlevel.checkpoint()  # the final update is now under way
+            nursery.cancel_scope.cancel()
+    row = await job_row(db, job.job_id)
+    assert row is not None
+    assert (row["status"], row["attempt"]) == ("done", 1)
+
+
+async def test_a_target_that_cannot_be_terminalized_does_not_wedge_the_worker(
+    queue: Queue, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An application rule that forbids deleting the agent: after `terminalize_tries`
+    refusals the job is marked failed alone (and the error logged); the next job runs."""
+    await db.execute("""
+        CREATE FUNCTION keep_agents() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN RAISE EXCEPTION 'agents are never deleted here'; END;
+        $$;
+        CREATE TRIGGER keep_agents BEFORE DELETE ON agents
+            FOR EACH ROW EXECUTE FUNCTION keep_agents();
+    """)
+    stuck = await enqueue_with_target(queue, "Upload")  # never built: would be deleted
+    await db.execute("UPDATE build_jobs SET attempt = 3 WHERE id = $1", stuck.job_id)
+    good = await enqueue_with_target(queue, "Upload")
+    async with running(queue, executors_for_all(succeed)) as worker:
+        await worker.drain_once()
+    row = await job_row(db, stuck.job_id)
+    assert row is not None
+    assert (row["status"], row["error_msg"]) == ("failed", MAX_ATTEMPTS_EXCEEDED)
+    assert await build_state(db, stuck.build_id) == "failed"  # its own build ended
+    assert (await job_row(db, good.job_id) or {})["status"] == "done"
+    assert "falling back" in caplog.text
+
+
+async def test_sweep_terminalizes_the_other_targets_when_one_is_refused(
+    queue: Queue, db: Database
+) -> None:
+    refused = await enqueue_with_target(queue, "Upload")
+    other = await enqueue_with_target(queue, "Upload")
+    await db.execute(f"""
+        CREATE FUNCTION keep_one() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF OLD.id = '{refused.target_id}' THEN RAISE EXCEPTION 'keep this one'; END IF;
+            RETURN OLD;
+        END;
+        $$;
+        CREATE TRIGGER keep_one BEFORE DELETE ON agents
+            FOR EACH ROW EXECUTE FUNCTION keep_one();
+    """)
+    await db.execute("UPDATE build_jobs SET status = 'in_progress', attempt = 3, "
+                     "picked_at = now() - interval '2 hours'")
+    kinds = frozenset({"Upload"})
+    result = await PgJobStore(db, queue.config, runnable_kinds=kinds,
+                              known_kinds=kinds).recover()
+    assert result.failed == 2
+    assert await agent_state(db, other.target_id) is None        # terminalized
+    assert await agent_state(db, refused.target_id) == "deploying"  # refused, left
+    row = await job_row(db, refused.job_id)
+    assert row is not None
+    assert (row["status"], row["error_msg"]) == ("failed", MAX_ATTEMPTS_EXCEEDED)

@@ -15,7 +15,7 @@ def _python_blocks() -> list[str]:
 
 
 async def test_embedding_example_runs(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    (example,) = _python_blocks()
+    example = _python_blocks()[0]  # the embedding example (the second is a sketch)
     namespace: dict[str, object] = {"__name__": "readme_example"}
     exec(compile(example, str(README), "exec"), namespace)  # noqa: S102
     await namespace["main"](dsn)  # type: ignore[operator]

@@ -114,3 +114,14 @@ async def test_two_sweeps_at_once_terminalize_each_target_once(queue: Queue) -> 
         "SELECT count(*) FROM build_jobs WHERE status = 'failed' AND error_msg = $1",
         MAX_ATTEMPTS_EXCEEDED)
     assert failed == 20
+
+
+async def test_fresh_row_with_attempts_left_is_not_reset(queue: Queue) -> None:
+    """Statement 2 honours the threshold too: attempt 1, picked 59 minutes ago, stays."""
+    job = await enqueue_with_target(queue, "Upload")
+    await _stick(queue, job.job_id, attempt=1, minutes_ago=59)
+    assert await _store(queue).recover() == RecoveryResult(failed=0, reset=0)
+    row = await job_row(queue.db, job.job_id)
+    assert row is not None
+    assert (row["status"], row["attempt"]) == ("in_progress", 1)
+    assert row["picked_at"] is not None

@@ -226,3 +226,18 @@ async def test_recovery_tick_starts_a_drain(autojump_clock: trio.testing.MockClo
         await trio.sleep(600)
         assert store.finished == [601.0]
         nursery.cancel_scope.cancel()
+
+
+async def test_stop_during_startup_recovery_returns(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A first signal while the database is still down stops the worker (no second
+    signal needed)."""
+    store = FakeStore(recover_fails=10**6)
+    worker = _worker(store, retry_initial_delay=1.0, retry_max_delay=10.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.run)
+        await trio.sleep(30)
+        worker.stop()
+    assert trio.current_time() == 30.0
+    assert store.claims == []

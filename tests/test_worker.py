@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import pytest
 import trio
 
-from nasiko_queue import Executors, JobContext, Queue, QueueConfig, Update, Upload, Worker
+from nasiko_queue import (
+    Executors,
+    JobContext,
+    Payload,
+    Queue,
+    QueueConfig,
+    Target,
+    Update,
+    Upload,
+    Worker,
+)
 from nasiko_queue.jobs import (
     BUILD_FAILED,
     INVALID_PAYLOAD,
@@ -617,3 +628,57 @@ async def test_crash_is_retried_at_once_with_several_slots(db: Any) -> None:
             await worker.wait_for(lambda stats: stats.done >= 1)
     assert runs == [1, 2]
     assert (await job_row(queue.db, job.job_id) or {})["status"] == "done"
+
+
+@attrs.frozen(kw_only=True)
+class Broken(Payload):
+    """A user's payload type whose label() raises: a bug outside the executor."""
+
+    kind: ClassVar[str] = "Broken"
+    build_id: uuid.UUID
+    agent_id: uuid.UUID
+    owner_id: uuid.UUID
+
+    def label(self) -> str:
+        raise RuntimeError("label bug")
+
+    def target(self) -> Target:
+        return Target(agent_id=self.agent_id)
+
+    def job_owner(self) -> uuid.UUID | None:
+        return self.owner_id
+
+
+async def test_an_internal_error_does_not_kill_the_worker(queue: Queue) -> None:
+    """A bug around a job (here the payload's own label()) is logged; the job is left
+    for the sweep; the loop and the next job go on."""
+    executors = executors_for_all(succeed)
+    executors.register(Broken, succeed)
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    build = await insert_agent_build(queue.db, agent)
+    broken = await queue.enqueue(Broken(build_id=build, agent_id=agent, owner_id=owner))
+    good = await enqueue_with_target(queue, "Upload")
+    async with running(queue, executors) as worker:
+        await worker.drain_once()
+    assert (await job_row(queue.db, good.job_id) or {})["status"] == "done"
+    assert (await job_row(queue.db, broken) or {})["status"] == "in_progress"
+
+
+async def test_other_kinds_are_left_for_the_replicas_that_run_them(db: Any) -> None:
+    """QueueConfig.other_kinds: a kind this replica does not know but others run stays
+    pending instead of failing as invalid (rolling deploys that add a job type)."""
+    from .conftest import FAST, MASTER_KEY
+
+    queue = Queue(db, config=QueueConfig(**{**_fields(FAST), "other_kinds": {"Frobnicate"}}),
+                  secrets=MASTER_KEY)
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    job_id = await queue.db.fetchval(
+        "INSERT INTO build_jobs (agent_id, owner_id, payload) "
+        "VALUES ($1, $2, '{\"kind\": \"Frobnicate\"}') RETURNING id", agent, owner)
+    async with running(queue, executors_for_all(succeed)) as worker:
+        await worker.drain_once()
+    row = await job_row(queue.db, job_id)
+    assert row is not None
+    assert (row["status"], row["attempt"]) == ("pending", 0)

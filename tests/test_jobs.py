@@ -1,0 +1,101 @@
+"""
+The job store's statements on their own: exclusive claims under concurrency,
+and the claim token that keeps a stale worker's late write off a job that has
+since been handed to someone else.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import trio
+
+from nasiko_queue import Queue
+from nasiko_queue.jobs import BUILD_FAILED, JobStatus, PgJobStore
+from nasiko_queue.testing import KINDS, enqueue_with_target, set_build_status
+
+from .helpers import build_state, connector_state, job_row
+
+
+def _store(queue: Queue) -> PgJobStore:
+    kinds = frozenset(KINDS)
+    return PgJobStore(queue.db, queue.config, runnable_kinds=kinds, known_kinds=kinds)
+
+
+async def test_concurrent_claims_are_exclusive(queue: Queue) -> None:
+    """Eight claimers race over 300 jobs: each job is claimed exactly once
+    (without SKIP LOCKED, or FOR UPDATE, some are taken twice)."""
+    for _ in range(300):
+        await enqueue_with_target(queue, "Upload")
+    claimed: Counter[Any] = Counter()
+    store = _store(queue)
+
+    async def claimer() -> None:
+        while jobs := await store.claim(1):
+            for job in jobs:
+                claimed[job.id] += 1
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(claimer)
+    assert len(claimed) == 300
+    assert set(claimed.values()) == {1}
+    attempts = await queue.db.fetch("SELECT DISTINCT attempt FROM build_jobs")
+    assert [r["attempt"] for r in attempts] == [1]
+
+
+async def test_batched_claim_takes_the_oldest_first(queue: Queue) -> None:
+    jobs = [await enqueue_with_target(queue, kind) for kind in KINDS]
+    claimed = await _store(queue).claim(4)
+    assert [j.id for j in claimed] == [j.job_id for j in jobs[:4]]
+    assert [j.old_attempt for j in claimed] == [0, 0, 0, 0]
+
+
+async def test_a_stale_claim_cannot_touch_the_job(queue: Queue) -> None:
+    """Worker A is cut off past the threshold; the sweep hands the job to B (attempt
+    2). A's late finish, fail and reset all find the row no longer theirs."""
+    store = _store(queue)
+    job = await enqueue_with_target(queue, "Upload", prior_success=True)
+    (stale,) = await store.claim(1)
+    await queue.db.execute("UPDATE build_jobs SET attempt = attempt + 1 WHERE id = $1",
+                           job.job_id)  # the sweep reset it and B claimed it
+    before = await job_row(queue.db, job.job_id)
+    await set_build_status(queue.db, job.payload, "success")
+    assert await store.finish_from_build(stale, job.build_id) is None
+    assert await store.fail(stale, BUILD_FAILED, own_build_id=job.build_id,
+                            terminalize=True) is False
+    assert await store.reset(stale) is False
+    assert await job_row(queue.db, job.job_id) == before
+    assert await build_state(queue.db, job.build_id) == "success"  # nothing terminalized
+
+
+async def test_finish_reads_the_connector_table_for_connector_jobs(queue: Queue) -> None:
+    store = _store(queue)
+    job = await enqueue_with_target(queue, "McpServerUpload")
+    (claimed,) = await store.claim(1)
+    # An agent build row with the same id would be read by mistake: there is none,
+    # and the connector build says success.
+    await set_build_status(queue.db, job.payload, "success")
+    assert await store.finish_from_build(claimed, job.build_id) is JobStatus.DONE
+
+
+async def test_connector_terminalization_leaves_a_running_connector_running(
+    queue: Queue,
+) -> None:
+    """§6: with a successful build, only a pending/building connector becomes failed."""
+    store = _store(queue)
+    job = await enqueue_with_target(queue, "McpServerUpload", prior_success=True)
+    await queue.db.execute(
+        "UPDATE mcp_connectors SET build_status = 'running', url = 'http://x/mcp' "
+        "WHERE id = $1", job.target_id)
+    (claimed,) = await store.claim(1)
+    assert await store.fail(claimed, BUILD_FAILED, own_build_id=job.build_id, terminalize=True)
+    assert await connector_state(queue.db, job.target_id) == "running"
+    # Its pending build (this job's) failed, with completed_at.
+    row = await queue.db.fetchrow(
+        "SELECT status, completed_at FROM mcp_connector_builds WHERE id = $1", job.build_id)
+    assert row is not None
+    assert row["status"] == "failed"
+    assert row["completed_at"] is not None
