@@ -67,6 +67,8 @@ class Queries:
     snapshot_connector_builds: str
     testing_truncate_all: str
     jobs_age_in_progress: str
+    job_insert_notify: str
+    jobs_prune: str
 
 
 def parse(text: str) -> dict[str, str]:

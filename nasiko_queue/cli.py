@@ -1,5 +1,5 @@
 """
-The ``nasiko-queue`` command: migrate, run a worker, inspect the queue, make a key, demo.
+The ``nasiko-queue`` command: migrate, run a worker, inspect or prune the queue, make a key, demo.
 
 Thin on purpose: each command parses its options, calls the public API inside one
 `trio.run`, and renders the result. Everything worth testing without a terminal
@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -45,6 +46,7 @@ from .executors import Executors
 from .migrate import load_migrations, migrate
 from .payloads import McpServerUpload
 from .queue import Queue
+from .retention import BATCH_SIZE, parse_duration, prune
 from .secrets import SecretBox, generate_master_key
 from .status import QueueStatus, queue_status
 from .worker import Worker
@@ -474,6 +476,40 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f}s"
 
 
+# -- prune ------------------------------------------------------------------------
+
+
+def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) -> timedelta:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@main.command("prune", short_help="Delete finished jobs older than a given age.")
+@dsn_option
+@click.option("--older-than", required=True, metavar="DURATION", callback=_parse_older_than,
+              help="Age of completion, e.g. 30d, 12h, 90m, 2w.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE,
+              show_default=True, help="Rows deleted per statement.")
+def prune_command(dsn: str | None, older_than: timedelta, batch_size: int) -> None:
+    """
+    Delete done and failed jobs that completed more than --older-than ago.
+
+    Deletes in small batches (one short transaction each) until none is left, and
+    prints how many rows went. Pending and in-progress jobs are never touched.
+    """
+    dsn = _require_dsn(dsn)
+
+    async def go() -> int:
+        async with open_database(dsn) as db:
+            return await prune(db, older_than, batch_size)
+
+    deleted = _run(dsn, go)
+    click.echo(f"pruned {deleted} finished job{'' if deleted == 1 else 's'} "
+               f"older than {older_than}")
+
+
 # -- keygen -----------------------------------------------------------------------
 
 
@@ -514,6 +550,110 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
             console.print("Removed the private PostgreSQL server.")
     if not report.ok:
         sys.exit(1)
+
+
+# -- bench ------------------------------------------------------------------------
+
+
+def _import_bench_runner() -> Any:
+    """`benchmarks.runner` from a source checkout; an install without it says so."""
+    try:
+        return importlib.import_module("benchmarks.runner")
+    except ImportError:
+        pass
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(checkout, "benchmarks", "runner.py")):
+        sys.path.insert(0, checkout)
+        return importlib.import_module("benchmarks.runner")
+    raise click.ClickException(
+        "the benchmark runner lives in the benchmarks/ folder of a source checkout, "
+        "which this installation does not have: clone the repository and run "
+        "`nasiko-queue bench` (or `python -m nasiko_queue bench`) from its root")
+
+
+def _admin_sql(dsn: str, statement: str) -> None:
+    async def go() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    import asyncio
+
+    asyncio.run(go())
+
+
+@main.command("bench", short_help="Measure throughput, latency and claim cost.")
+@click.option("--dsn", metavar="URL",
+              help="A server to benchmark on; a scratch database is created on it (needs "
+                   "CREATEDB) and dropped after. Default: a private PostgreSQL with fsync on.")
+@click.option("--full", is_flag=True, help="The bigger sweep (several minutes).")
+@click.option("--tiny", is_flag=True, hidden=True, help="Tiny sizes, for smoke tests.")
+@click.option("--out", type=click.Path(dir_okay=False), default="bench-results.json",
+              show_default=True, help="Where to write the JSON results.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG plot here (needs matplotlib: pip install nasiko-queue[bench]).")
+def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
+                  plot_path: str | None) -> None:
+    """
+    Run the benchmark workloads (drain, enqueue, latency, history, replicas) and the
+    bare-asyncpg ceilings, in one run; every engine figure is also shown as a ratio
+    to the ceilings, since absolute figures on a shared machine are noise.
+    """
+    from pathlib import Path
+
+    runner = _import_bench_runner()
+    sizes = runner.TINY if tiny else runner.FULL if full else runner.DEFAULT
+    console = _wide_console()
+    server: EmbeddedPostgres | None = None
+    if dsn is not None:
+        _check_dsn(dsn)
+        where = f"a scratch database on {_where(dsn)}"
+    else:
+        try:
+            server = EmbeddedPostgres(fsync=True)
+            server.start()
+        except (NasikoQueueError, OSError, subprocess.SubprocessError) as exc:
+            if server is not None:
+                server.cleanup()
+            raise click.ClickException(
+                f"cannot start a private PostgreSQL: {_first_line(exc)}") from None
+        dsn = server.dsn
+        where = "a private PostgreSQL (fsync on, synchronous_commit on)"
+    name = f"nasiko_bench_{os.getpid()}"
+    from .embedded import with_database
+
+    scratch = with_database(dsn, name)
+    try:
+        try:
+            _admin_sql(dsn, f'CREATE DATABASE "{name}"')
+        except Exception as exc:
+            why = _explain(exc, dsn) or _first_line(exc)
+            raise click.ClickException(
+                f"cannot create the scratch database {name}: {why}") from None
+        try:
+            async def do_migrate() -> None:
+                async with open_database(scratch) as db:
+                    await migrate(db)
+
+            _run(scratch, do_migrate)
+            console.print(f"Benchmarking on {where}.")
+            result = runner.run_benchmarks(scratch, sizes, console=console, database=where)
+        finally:
+            _admin_sql(dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        if server is not None:
+            server.cleanup()
+    console.print(runner.table(result))
+    runner.write_json(result, Path(out))
+    console.print(f"Results written to {out}.")
+    if plot_path is not None:
+        if runner.plot(result, Path(plot_path)):
+            console.print(f"Plot written to {plot_path}.")
+        else:
+            console.print("No plot: matplotlib is not installed "
+                          "(pip install 'nasiko-queue[bench]').")
 
 
 def _wide_console() -> Console:

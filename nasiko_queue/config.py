@@ -8,6 +8,9 @@ number that SPEC.md names.
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 import attrs
 
 from .errors import ConfigurationError
@@ -25,11 +28,27 @@ POLL_INTERVAL = 5.0
 RECOVERY_INTERVAL = 600.0
 #: Refuse payloads larger than this at enqueue (bytes of encoded JSON).
 MAX_PAYLOAD_BYTES = 1024 * 1024
+#: The NOTIFY channel enqueue signals and workers LISTEN on.
+NOTIFY_CHANNEL = "nasiko_queue_jobs"
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
     if value <= 0:
         raise ConfigurationError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _channel(_inst: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    # PostgreSQL truncates identifiers to 63 bytes; a longer name would LISTEN on
+    # a channel other than the one pg_notify() signals.
+    if value is not None and not 0 < len(value.encode("utf-8")) <= 63:
+        raise ConfigurationError(f"{attribute.name} must be 1 to 63 bytes, got {value!r}")
+
+
+def _retention(
+    _inst: object, attribute: attrs.Attribute[timedelta | None], value: timedelta | None
+) -> None:
+    if value is not None and value <= timedelta(0):
+        raise ConfigurationError(f"{attribute.name} must be a positive timedelta, got {value!r}")
 
 
 def _at_least_one(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -77,3 +96,13 @@ class QueueConfig:
     #: leaves them pending instead of failing them as invalid (SPEC §5 claims
     #: every unknown kind). Use it during rolling deploys that add a job type.
     other_kinds: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    #: NOTIFY channel: `enqueue` signals it in the inserting transaction (once per
+    #: transaction) and workers LISTEN on it, so a job enqueued by any process
+    #: wakes every replica at once. None sends no notifications (and listens to none).
+    notify_channel: str | None = attrs.field(default=NOTIFY_CHANNEL, validator=_channel)
+    #: Whether a worker LISTENs (on a dedicated connection, outside the pool). Off,
+    #: it wakes only on in-process enqueues, its sweeps, and the poll.
+    listen: bool = True
+    #: When set, the worker's recovery tick also deletes done/failed jobs whose
+    #: `completed_at` is older than this (`nasiko_queue.retention.prune`).
+    retention: timedelta | None = attrs.field(default=None, validator=_retention)

@@ -73,6 +73,8 @@ class Transaction:
         self._db = db
         self._conn = conn
         self._after_commit: list[Callable[[], None]] = []
+        #: NOTIFY channels already signalled in this transaction (one per transaction).
+        self._notified: set[str] = set()
 
     async def execute(self, query: str, *args: Any) -> str:
         result: str = await self._db._cross(self._conn.execute(query, *args))
@@ -211,6 +213,58 @@ class Database:
             return True
         log.warning("database %s timed out after %.1fs", what, self.config.cleanup_timeout)
         return False
+
+    @asynccontextmanager
+    async def dedicated_connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """
+        A connection of its own, outside the pool (for LISTEN: a pool's release
+        resets the connection and drops its listeners).
+
+        Opened on this database's loop with the pool's timeouts; drive it with
+        one crossing per operation (`Database._cross`). Closed on
+        exit shielded from cancellation and bounded by `cleanup_timeout`, then
+        terminated if the close did not finish.
+        """
+        conn: asyncpg.Connection = await self._cross(asyncpg.connect(
+            self.config.dsn,
+            command_timeout=self.config.command_timeout,
+            timeout=self.config.connect_timeout,
+        ))
+        try:
+            yield conn
+        finally:
+            if not conn.is_closed() and not await self._cleanup(
+                    conn.close(timeout=self.config.cleanup_timeout), "close"):
+                conn.terminate()
+
+    @asynccontextmanager
+    async def listen(
+        self, channel: str, on_notify: Callable[[str], None]
+    ) -> AsyncIterator[trio.Event]:
+        """
+        LISTEN on `channel` on a dedicated connection; yield an Event set when it is lost.
+
+        `on_notify(payload)` runs on the trio thread for every notification (asyncpg
+        calls listeners from the asyncio loop, which trio-asyncio runs as a trio
+        task), so it may touch trio objects synchronously; it must not block. The
+        Event is set when the connection terminates (server restart,
+        `pg_terminate_backend`, network error seen by the socket): notifications
+        sent while nobody listens are lost, so the caller should reconnect and poll.
+        """
+        lost = trio.Event()
+
+        def on_lost(_conn: object) -> None:
+            lost.set()
+
+        def on_notification(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+            on_notify(payload)
+
+        async with self.dedicated_connection() as conn:
+            conn.add_termination_listener(on_lost)
+            await self._cross(conn.add_listener(channel, on_notification))
+            if conn.is_closed():  # lost between connect and LISTEN's answer
+                lost.set()
+            yield lost
 
     async def aclose(self) -> None:
         """Close the pool; shielded and bounded, then forced."""

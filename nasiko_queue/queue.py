@@ -3,7 +3,9 @@ The queue handle applications hold: enqueue, and waking in-process workers.
 
 Enqueue inserts the job row (inside the caller's transaction when one is given,
 so the target rows, the build row and the job commit or vanish together) and
-wakes the worker after commit. The wake is fire-and-forget (SPEC §4
+wakes the worker after commit: in-process workers directly, every other worker
+(any process, any replica) through a NOTIFY sent in the inserting transaction,
+once per transaction. The wake is fire-and-forget (SPEC §4
 [decision]): a full wake channel already guarantees a drain, so a wake that
 does not fit is dropped, and enqueue never waits for a worker.
 """
@@ -85,11 +87,22 @@ class Queue:
             )
         target = payload.target()
         args = (target.agent_id, target.connector_id, owner, text)
+        channel = self.config.notify_channel
         if tx is None:
-            job_id: UUID = await self.db.fetchval(Q.job_insert, *args)
+            # The insert and its NOTIFY in one statement: one crossing, one commit.
+            if channel is None:
+                job_id: UUID = await self.db.fetchval(Q.job_insert, *args)
+            else:
+                job_id = await self.db.fetchval(Q.job_insert_notify, *args, channel)
             self.wake()
         else:
-            job_id = await tx.fetchval(Q.job_insert, *args)
+            # One NOTIFY per transaction: the first enqueue in `tx` sends it (delivered
+            # only if `tx` commits); later ones insert alone.
+            if channel is None or channel in tx._notified:
+                job_id = await tx.fetchval(Q.job_insert, *args)
+            else:
+                job_id = await tx.fetchval(Q.job_insert_notify, *args, channel)
+                tx._notified.add(channel)
             tx.call_after_commit(self.wake)
         return job_id
 

@@ -6,7 +6,10 @@ Shape (SPEC §5, §8)::
     run()
       recover stuck jobs (retried until the database answers), then started()
       nursery "timers":  the recovery timer (first tick one period after start,
-                         missed ticks skipped)
+                         missed ticks skipped; it also prunes when
+                         `QueueConfig.retention` is set), and the LISTEN task (a
+                         dedicated connection whose notifications feed the wake
+                         channel; reconnects with backoff and drains after a loss)
       nursery "executors": one child task per claimed job
       drain loop:        drain; then wait for a wake (channel of capacity 64) or
                          the poll timeout (5 s, re-armed after every drain);
@@ -53,6 +56,7 @@ from .jobs import (
 )
 from .payloads import BUILTIN_PAYLOAD_TYPES, Payload, PayloadCodec, Target, raw_build_id
 from .queue import Queue
+from .retention import prune
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -73,6 +77,12 @@ class WorkerStats:
     recoveries: int = 0
     claim_errors: int = 0
     running: int = 0
+    #: LISTEN connections established (1 after start; each reconnect adds one).
+    listen_connects: int = 0
+    #: Notifications received on the LISTEN connection.
+    notifications: int = 0
+    #: Finished jobs deleted by the retention prune of the recovery tick.
+    pruned: int = 0
 
 
 class Worker:
@@ -184,6 +194,10 @@ class Worker:
         try:
             async with trio.open_nursery() as timers:
                 timers.start_soon(self._recovery_timer)
+                if self.config.listen and self.config.notify_channel is not None:
+                    # Returns once LISTEN is established (or its first try failed),
+                    # so that an enqueue after `nursery.start(worker.run)` wakes us.
+                    await timers.start(self._listener, self.config.notify_channel)
                 async with trio.open_nursery() as executors:
                     task_status.started()
                     log.info("worker started (kinds: %s)", ", ".join(sorted(self.executors)))
@@ -442,6 +456,61 @@ class Worker:
         self._notify()
         return result
 
+    async def _prune(self) -> None:
+        """The retention part of a recovery tick (`QueueConfig.retention`)."""
+        if self.config.retention is None:
+            return
+        try:
+            self.stats.pruned += await prune(self.queue.db, self.config.retention)
+        except Exception as exc:
+            log.warning("retention prune failed (%s); next try at the next tick",
+                        _one_line(exc))
+        self._notify()
+
+    # -- LISTEN ---------------------------------------------------------------
+
+    def _on_notification(self, _payload: str) -> None:
+        """Runs on the trio thread, from asyncpg's listener callback; never blocks."""
+        self.stats.notifications += 1
+        self.wake()
+
+    async def _listener(
+        self, channel: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """
+        LISTEN on `channel` on a dedicated connection and turn notifications into wakes.
+
+        When the connection is lost, reconnect with backoff, and once LISTEN is back
+        wake the worker: whatever was enqueued while nobody listened sent its
+        notification into the void. The poll stays the safety net throughout.
+        """
+        delay = self.config.retry_initial_delay
+        started = False
+        while True:
+            try:
+                async with self.queue.db.listen(channel, self._on_notification) as lost:
+                    self.stats.listen_connects += 1
+                    if started:
+                        log.info("LISTEN %s re-established; draining what it missed", channel)
+                        self.wake()
+                    else:
+                        started = True
+                        task_status.started()
+                    self._notify()
+                    connected_at = trio.current_time()
+                    await lost.wait()
+                    if trio.current_time() - connected_at > self.config.retry_max_delay:
+                        delay = self.config.retry_initial_delay  # it was a healthy connection
+                    log.warning("LISTEN connection lost; reconnecting in %.2fs", delay)
+            except Exception as exc:
+                log.warning("LISTEN %s failed (%s); retrying in %.2fs", channel,
+                            _one_line(exc), delay)
+            if not started:  # do not hold the worker's start hostage: the poll covers
+                started = True
+                task_status.started()
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.config.retry_max_delay)
+
     async def _recovery_timer(self) -> None:
         """Sweep every `recovery_interval`; first tick one period in, missed ticks skipped."""
         period = self.config.recovery_interval
@@ -454,6 +523,7 @@ class Worker:
                 log.exception("recovery sweep failed; next one in %.0fs", period)
             else:
                 self.wake()  # the sweep is one of the three signals: drain what it freed
+            await self._prune()
             now = trio.current_time()
             next_tick += period
             if next_tick <= now:  # the sweep overran: skip, never replay, missed ticks

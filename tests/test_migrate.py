@@ -19,17 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_files_are_found_in_order() -> None:
     versions = [m.version for m in load_migrations()]
     assert versions == sorted(versions)
-    assert versions[:3] == ["0001", "0003", "0004"]
+    assert versions[:4] == ["0001", "0003", "0004", "0005"]
 
 
 async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
     async with open_database(empty_dsn) as db:
-        assert await migrate(db) == ["0001", "0003", "0004"]
+        assert await migrate(db) == ["0001", "0003", "0004", "0005"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
         assert [(r["version"], r["name"]) for r in recorded] == [
-            ("0001", "schema"), ("0003", "mcp"), ("0004", "jobs_agent_index")]
+            ("0001", "schema"), ("0003", "mcp"), ("0004", "jobs_agent_index"),
+            ("0005", "queue_autovacuum")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "
@@ -45,6 +46,11 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
         assert "WHERE (connector_id IS NOT NULL)" in indexes["idx_build_jobs_connector"]
         # Deleting an agent must not read the whole job history (0004).
         assert "(agent_id)" in indexes["idx_build_jobs_agent"]
+        # Vacuum by a fixed count of dead rows, not a share of the history (0005).
+        options = set(await db.fetchval(
+            "SELECT reloptions FROM pg_class WHERE oid = 'build_jobs'::regclass"))
+        assert {"autovacuum_vacuum_scale_factor=0.0", "autovacuum_vacuum_threshold=1000",
+                "autovacuum_analyze_scale_factor=0.0", "fillfactor=90"} <= options
 
 
 async def test_one_target_check(dsn: str) -> None:
@@ -69,7 +75,7 @@ async def test_concurrent_migrators_apply_each_file_once(empty_dsn: str) -> None
     async with trio.open_nursery() as nursery:
         for _ in range(4):
             nursery.start_soon(one)
-    assert sorted(map(tuple, results)) == [(), (), (), ("0001", "0003", "0004")]
+    assert sorted(map(tuple, results)) == [(), (), (), ("0001", "0003", "0004", "0005")]
 
 
 async def test_a_failing_migration_rolls_back_whole(empty_dsn: str) -> None:

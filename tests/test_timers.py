@@ -78,7 +78,8 @@ def _worker(store: FakeStore, **config: Any) -> Worker:
     async def run(ctx: JobContext[Upload]) -> None:
         await trio.sleep(1)  # a one-second "build"
 
-    queue = Queue(cast(Database, None), config=QueueConfig(**config))
+    # No database behind this queue: no LISTEN connection either.
+    queue = Queue(cast(Database, None), config=QueueConfig(**{"listen": False, **config}))
     return Worker(queue, executors, store=store)
 
 

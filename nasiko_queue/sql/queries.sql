@@ -293,3 +293,31 @@ TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors;
 -- Pretend every in_progress job was claimed $1 minutes ago (no waiting an hour).
 UPDATE build_jobs SET picked_at = now() - make_interval(mins => $1)
 WHERE status = 'in_progress';
+
+-- The statements below serve LISTEN/NOTIFY and retention.
+
+-- name: job_insert_notify
+-- Enqueue outside a caller's transaction, or the first enqueue inside one: the
+-- job and a NOTIFY on channel $5 in the same statement, so they commit together.
+-- Later enqueues of the same transaction use `job_insert` (one NOTIFY per
+-- transaction, not per row).
+INSERT INTO build_jobs (agent_id, connector_id, owner_id, payload)
+SELECT $1::uuid, $2::uuid, $3::uuid, $4::jsonb
+FROM (SELECT pg_notify($5::text, '')) AS notify
+RETURNING id;
+
+-- name: jobs_prune
+-- Retention: delete up to $2 done/failed jobs completed more than $1 (an
+-- interval) ago, by the database's clock. Pending and
+-- in_progress rows are never touched. Small batches keep each transaction (and
+-- its locks and WAL burst) short; the caller loops until a batch comes back short.
+WITH old AS (
+    SELECT id
+    FROM build_jobs
+    WHERE status IN ('done', 'failed') AND completed_at < now() - $1::interval
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM build_jobs AS j
+USING old
+WHERE j.id = old.id;
