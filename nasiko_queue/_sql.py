@@ -69,6 +69,7 @@ class Queries:
     jobs_age_in_progress: str
     job_insert_notify: str
     jobs_prune: str
+    job_finish_and_claim: str
 
 
 def parse(text: str) -> dict[str, str]:

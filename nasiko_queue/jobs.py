@@ -93,6 +93,10 @@ class JobStore(Protocol):
 
     async def finish_from_build(self, job: ClaimedJob, build_id: UUID) -> JobStatus | None: ...
 
+    async def finish_and_claim(
+        self, job: ClaimedJob, build_id: UUID, limit: int
+    ) -> tuple[JobStatus | None, list[ClaimedJob]]: ...
+
     async def fail(
         self,
         job: ClaimedJob,
@@ -160,6 +164,38 @@ class PgJobStore:
                      job.id)
             return None
         return JobStatus(status)
+
+    async def finish_and_claim(
+        self, job: ClaimedJob, build_id: UUID, limit: int
+    ) -> tuple[JobStatus | None, list[ClaimedJob]]:
+        """
+        `finish_from_build` and `claim(limit)` in one round trip.
+
+        The worker uses it when an executor slot frees: the next job is claimed
+        by the same statement that records this one's outcome, so a worker
+        running one job at a time spends one round trip per job, not two.
+        """
+        rows = await self._db.fetch(
+            Q.job_finish_and_claim,
+            job.id,
+            job.attempt,
+            job.is_connector_job,
+            build_id,
+            BUILD_FAILED,
+            limit,
+            self._runnable,
+            self._known,
+        )
+        finished = rows[0]["finished_status"] if rows else None
+        claimed = [
+            ClaimedJob(**{k: v for k, v in dict(row).items() if k != "finished_status"})
+            for row in rows if row["id"] is not None
+        ]
+        claimed.sort(key=lambda j: j.created_at)
+        if finished is None:
+            log.info("job %s finished but its row is gone or no longer ours; nothing to mark",
+                     job.id)
+        return (None if finished is None else JobStatus(finished)), claimed
 
     async def fail(
         self,

@@ -55,6 +55,10 @@ class FakeStore:
         self.finished.append(trio.current_time())
         return JobStatus.DONE
 
+    async def finish_and_claim(self, job: ClaimedJob, build_id: uuid.UUID,
+                               limit: int) -> tuple[JobStatus, list[ClaimedJob]]:
+        return await self.finish_from_build(job, build_id), await self.claim(limit)
+
     async def fail(self, job: ClaimedJob, message: str, *, own_build_id: Any,
                    terminalize: bool) -> bool:
         return True
