@@ -99,3 +99,46 @@ async def test_connector_terminalization_leaves_a_running_connector_running(
     assert row is not None
     assert row["status"] == "failed"
     assert row["completed_at"] is not None
+
+
+class CountingStore(PgJobStore):
+    """The real store, counting which statements the worker sends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: Counter[str] = Counter()
+
+    async def claim(self, limit: int) -> Any:
+        self.calls["claim"] += 1
+        return await super().claim(limit)
+
+    async def finish_from_build(self, *args: Any) -> Any:
+        self.calls["finish"] += 1
+        return await super().finish_from_build(*args)
+
+    async def finish_and_claim(self, *args: Any) -> Any:
+        self.calls["finish_and_claim"] += 1
+        return await super().finish_and_claim(*args)
+
+
+async def test_one_round_trip_per_job_at_concurrency_one(queue: Queue) -> None:
+    """Finishing a job claims the next for the same slot: 20 jobs cost 20
+    finish-and-claim statements and three plain claims (the drain's first, the
+    one that finds the queue empty, and the drain drain_once asks for), not 20
+    finishes plus 20-odd claims."""
+    from nasiko_queue import Worker
+
+    from .helpers import executors_for_all, succeed
+
+    for _ in range(20):
+        await enqueue_with_target(queue, "Upload")
+    kinds = frozenset(KINDS)
+    store = CountingStore(queue.db, queue.config, runnable_kinds=kinds, known_kinds=kinds)
+    worker = Worker(queue, executors_for_all(succeed), store=store)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await worker.drain_once()
+            worker.stop()
+    assert worker.stats.done == 20
+    assert store.calls == Counter({"finish_and_claim": 20, "claim": 3})
