@@ -1,0 +1,113 @@
+"""
+Ceilings: bare asyncpg on plain asyncio (``asyncio.run``, no trio), no engine.
+
+(a) one job per transaction: claim one job (its own commit), mark it done (its
+    own commit), with 1 and with 8 connections;
+(b) the engine's own statements (`Q.job_claim` with a limit, then
+    `Q.job_finish_from_build` per job) with the engine's batching: claim K = free
+    slots at once, finish each job on a connection of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import asyncpg
+
+from nasiko_queue._sql import Q
+from nasiko_queue.jobs import BUILD_FAILED
+from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+
+CLAIM_ONE = """
+UPDATE build_jobs SET status = 'in_progress', picked_at = now(), attempt = attempt + 1
+WHERE id = (SELECT id FROM build_jobs WHERE status = 'pending'
+            ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING id
+"""
+MARK_DONE = "UPDATE build_jobs SET status = 'done', completed_at = now() WHERE id = $1"
+
+
+def one_per_transaction(dsn: str, n_jobs: int, connections: int) -> float:
+    """Ceiling (a): jobs/s for draining `n_jobs` pending jobs."""
+
+    async def main() -> float:
+        conns = [await asyncpg.connect(dsn) for _ in range(connections)]
+        try:
+            async def loop(conn: asyncpg.Connection) -> int:
+                n = 0
+                while True:
+                    job_id = await conn.fetchval(CLAIM_ONE)
+                    if job_id is None:
+                        return n
+                    await conn.execute(MARK_DONE, job_id)
+                    n += 1
+
+            t0 = time.perf_counter()
+            done = sum(await asyncio.gather(*(loop(c) for c in conns)))
+            elapsed = time.perf_counter() - t0
+        finally:
+            for c in conns:
+                await c.close()
+        if done != n_jobs:
+            raise RuntimeError(f"ceiling (a) drained {done} jobs, expected {n_jobs}")
+        return done / elapsed
+
+    return _run(main())
+
+
+def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
+    """Ceiling (b): jobs/s with the engine's statements, claiming `batch` at a time."""
+    kinds = ["Upload"]
+    known = sorted(t.kind for t in BUILTIN_PAYLOAD_TYPES)
+
+    async def main() -> float:
+        claimer = await asyncpg.connect(dsn)
+        finishers = [await asyncpg.connect(dsn) for _ in range(batch)]
+        try:
+            done = 0
+            t0 = time.perf_counter()
+            while True:
+                rows = await claimer.fetch(Q.job_claim, batch, kinds, known)
+                if not rows:
+                    break
+
+                async def finish(conn: asyncpg.Connection, row: asyncpg.Record) -> None:
+                    build_id = _build_id(row["payload"])
+                    await conn.fetchval(Q.job_finish_from_build, row["id"],
+                                        row["old_attempt"] + 1, False, build_id, BUILD_FAILED)
+
+                await asyncio.gather(*(finish(c, r) for c, r in zip(finishers, rows,
+                                                                      strict=False)))
+                done += len(rows)
+            elapsed = time.perf_counter() - t0
+        finally:
+            for c in [claimer, *finishers]:
+                await c.close()
+        if done != n_jobs:
+            raise RuntimeError(f"ceiling (b) drained {done} jobs, expected {n_jobs}")
+        return done / elapsed
+
+    return _run(main())
+
+
+def _run(coro: Coroutine[Any, Any, float]) -> float:
+    """On a plain asyncio selector loop, never trio-asyncio's (see workloads.plain_asyncio)."""
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        return runner.run(_checked(coro))
+
+
+async def _checked(coro: Coroutine[Any, Any, float]) -> float:
+    loop = asyncio.get_running_loop()
+    if "trio" in type(loop).__module__:
+        raise RuntimeError(f"ceiling running on {type(loop).__name__}, not plain asyncio")
+    return await coro
+
+
+def _build_id(payload_text: str) -> str:
+    import json
+
+    value: str = json.loads(payload_text)["build_id"]
+    return value

@@ -1,0 +1,241 @@
+"""
+Run every workload in one go, then render: JSON, a rich table, a PNG plot.
+
+`run_benchmarks` is what `nasiko-queue bench` and tests/test_bench.py call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import ceilings, workloads
+
+
+@attrs.frozen(kw_only=True)
+class Sizes:
+    drain_jobs: int = 3000
+    drain_concurrency: tuple[int, ...] = (1, 10)
+    enqueue_jobs: int = 1000
+    latency_jobs: int = 200
+    latency_rate: float = 100.0
+    history_rows: tuple[int, ...] = (0, 100_000)
+    history_claims: int = 300
+    replica_jobs: int = 3000
+    replica_processes: tuple[int, ...] = (1, 2, 4)
+    replica_concurrency: int = 10
+    ceiling_jobs: int = 3000
+
+
+DEFAULT = Sizes()
+FULL = Sizes(drain_jobs=10_000, drain_concurrency=(1, 2, 5, 10, 20, 50), enqueue_jobs=3000,
+             latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
+             replica_jobs=10_000, ceiling_jobs=10_000)
+TINY = Sizes(drain_jobs=30, enqueue_jobs=20, latency_jobs=10, latency_rate=200.0,
+             history_rows=(0, 1000), history_claims=10, replica_jobs=30,
+             replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30)
+
+
+def _steps(sizes: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+    s = sizes
+    steps: list[tuple[str, Callable[[], Any]]] = []
+
+    def ceiling(name: str, fn: Callable[[], float]) -> Callable[[], Any]:
+        def go() -> float:
+            workloads.ceiling_prepare(dsn, s.ceiling_jobs)
+            return fn()
+        return go
+
+    steps += [
+        ("ceiling a, 1 conn", ceiling("a1", lambda: ceilings.one_per_transaction(
+            dsn, s.ceiling_jobs, 1))),
+        ("ceiling a, 8 conns", ceiling("a8", lambda: ceilings.one_per_transaction(
+            dsn, s.ceiling_jobs, 8))),
+        ("ceiling b, K=1", ceiling("b1", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 1))),
+        ("ceiling b, K=10", ceiling("b10", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 10))),
+    ]
+    for c in s.drain_concurrency:
+        steps.append((f"drain c={c}", lambda c=c: workloads.drain(dsn, s.drain_jobs, c)))
+    steps.append(("enqueue", lambda: workloads.enqueue(dsn, s.enqueue_jobs)))
+    steps.append(("latency", lambda: workloads.latency(dsn, s.latency_jobs, s.latency_rate)))
+    for h in s.history_rows:
+        steps.append((f"history {h:,}",
+                      lambda h=h: workloads.history(dsn, h, s.history_claims)))
+    for p in s.replica_processes:
+        steps.append((f"replicas {p}", lambda p=p: workloads.replicas(
+            dsn, s.replica_jobs, p, s.replica_concurrency)))
+    return steps
+
+
+def run_benchmarks(dsn: str, sizes: Sizes = DEFAULT, *, console: Console | None = None,
+                   database: str = "given DSN") -> dict[str, Any]:
+    """Run every workload on `dsn` (a migrated database whose rows are deleted)."""
+    steps = _steps(sizes, dsn)
+    raw: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    with Progress(TextColumn("{task.description:<24}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=console, transient=False, disable=console is None) as progress:
+        task = progress.add_task("starting", total=len(steps))
+        for name, fn in steps:
+            progress.update(task, description=name)
+            raw[name] = fn()
+            progress.advance(task)
+        progress.update(task, description="done")
+    workloads.reset(dsn)
+    return _assemble(raw, sizes, database, time.perf_counter() - t_start)
+
+
+def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> dict[str, Any]:
+    ceil = {
+        "a_1conn_jobs_per_s": raw["ceiling a, 1 conn"],
+        "a_8conn_jobs_per_s": raw["ceiling a, 8 conns"],
+        "b_k1_jobs_per_s": raw["ceiling b, K=1"],
+        "b_k10_jobs_per_s": raw["ceiling b, K=10"],
+    }
+
+    def ratios(value: float, k: int) -> dict[str, float]:
+        b = ceil["b_k1_jobs_per_s"] if k <= 1 else ceil["b_k10_jobs_per_s"]
+        return {"vs_a1": value / ceil["a_1conn_jobs_per_s"],
+                "vs_a8": value / ceil["a_8conn_jobs_per_s"],
+                "vs_b": value / b}
+
+    drain = []
+    for c in s.drain_concurrency:
+        d = raw[f"drain c={c}"]
+        d["ratios"] = ratios(d["jobs_per_s"], c)
+        drain.append(d)
+    enq = raw["enqueue"]
+    enq["ratios_single"] = ratios(enq["single_jobs_per_s"], 1)
+    enq["ratios_batch"] = ratios(enq["batch_jobs_per_s"], 1)
+    reps = []
+    for p in s.replica_processes:
+        r = raw[f"replicas {p}"]
+        r["ratios"] = ratios(r["jobs_per_s"], s.replica_concurrency)
+        reps.append(r)
+    hist = [raw[f"history {h:,}"] for h in s.history_rows]
+    base = hist[0]["p50_ms"]
+    for h in hist:
+        h["p50_vs_empty"] = h["p50_ms"] / base if base else 0.0
+    return {
+        "meta": {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "machine": platform.platform(), "cpus": os.cpu_count(),
+                 "python": platform.python_version(), "database": database,
+                 "seconds": round(seconds, 1), "sizes": attrs.asdict(s)},
+        "ceilings": ceil,
+        "drain": drain,
+        "enqueue": enq,
+        "latency": raw["latency"],
+        "history": hist,
+        "replicas": reps,
+    }
+
+
+# -- rendering ----------------------------------------------------------------
+
+
+def _r(ratios: dict[str, float]) -> str:
+    return f"{ratios['vs_a1']:.2f}x a1 · {ratios['vs_a8']:.2f}x a8 · {ratios['vs_b']:.2f}x b"
+
+
+def table(result: dict[str, Any]) -> Table:
+    c = result["ceilings"]
+    t = Table(title="nasiko-queue bench")
+    t.add_column("workload")
+    t.add_column("setting")
+    t.add_column("figure", justify="right")
+    t.add_column("ratio to ceilings (a: 1 job/tx at 1|8 conns; b: engine SQL)")
+    t.add_row("ceiling a", "1 connection", f"{c['a_1conn_jobs_per_s']:,.0f} jobs/s", "")
+    t.add_row("ceiling a", "8 connections", f"{c['a_8conn_jobs_per_s']:,.0f} jobs/s", "")
+    t.add_row("ceiling b", "K=1, 1+1 conns", f"{c['b_k1_jobs_per_s']:,.0f} jobs/s", "")
+    t.add_row("ceiling b", "K=10, 1+10 conns", f"{c['b_k10_jobs_per_s']:,.0f} jobs/s", "")
+    for d in result["drain"]:
+        t.add_row("drain", f"concurrency {d['concurrency']}", f"{d['jobs_per_s']:,.0f} jobs/s",
+                  _r(d["ratios"]))
+    e = result["enqueue"]
+    t.add_row("enqueue", "1 job per call", f"{e['single_jobs_per_s']:,.0f} jobs/s",
+              _r(e["ratios_single"]))
+    t.add_row("enqueue", f"{e['jobs']} in 1 tx", f"{e['batch_jobs_per_s']:,.0f} jobs/s",
+              _r(e["ratios_batch"]))
+    lat = result["latency"]
+    for where in ("in_process", "other_process"):
+        v = lat[where]
+        if isinstance(v, dict):
+            t.add_row("latency", where.replace("_", " "),
+                      f"p50 {v['p50_ms']:.2f} · p95 {v['p95_ms']:.2f} · p99 {v['p99_ms']:.2f} "
+                      f"· max {v['max_ms']:.2f} ms",
+                      f"enqueue call alone: p50 {v['enqueue_call_p50_ms']:.2f} ms"
+                      if "enqueue_call_p50_ms" in v else "")
+        else:
+            t.add_row("latency", where.replace("_", " "), str(v), "")
+    for h in result["history"]:
+        t.add_row("history", f"{h['history_rows']:,} done/failed rows",
+                  f"claim p50 {h['p50_ms']:.3f} · p99 {h['p99_ms']:.3f} ms",
+                  f"{h['p50_vs_empty']:.2f}x empty; plan: {h['plan_node']}")
+    for r in result["replicas"]:
+        t.add_row("replicas", f"{r['processes']} process(es) × c={r['concurrency']}",
+                  f"{r['jobs_per_s']:,.0f} jobs/s", _r(r["ratios"]))
+    return t
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Write the PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    c = result["ceilings"]
+    labels = ["ceil a 1c", "ceil a 8c", "ceil b K1", "ceil b K10"]
+    values = [c["a_1conn_jobs_per_s"], c["a_8conn_jobs_per_s"], c["b_k1_jobs_per_s"],
+              c["b_k10_jobs_per_s"]]
+    colors = ["grey"] * 4
+    for d in result["drain"]:
+        labels.append(f"drain c{d['concurrency']}")
+        values.append(d["jobs_per_s"])
+        colors.append("tab:blue")
+    for r in result["replicas"]:
+        labels.append(f"{r['processes']} proc")
+        values.append(r["jobs_per_s"])
+        colors.append("tab:green")
+    e = result["enqueue"]
+    labels += ["enq 1/call", "enq 1 tx"]
+    values += [e["single_jobs_per_s"], e["batch_jobs_per_s"]]
+    colors += ["tab:orange"] * 2
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    ax1.bar(labels, values, color=colors)
+    ax1.set_ylabel("jobs/s")
+    ax1.set_title("throughput per setting")
+    ax1.tick_params(axis="x", rotation=60)
+    lat = result["latency"]
+    for where in ("in_process", "other_process"):
+        v = lat[where]
+        if isinstance(v, dict) and v.get("samples_ms"):
+            xs = sorted(v["samples_ms"])
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax2.plot(xs, ys, label=where.replace("_", " "))
+    ax2.set_xlabel("enqueue → executor start (ms)")
+    ax2.set_ylabel("fraction of jobs")
+    ax2.set_title("latency distribution (CDF)")
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

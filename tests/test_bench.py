@@ -1,0 +1,49 @@
+"""
+Smoke test of the benchmark runner (`nasiko-queue bench`): tiny sizes on the
+test database. It checks that every workload ran and produced positive
+figures; it never asserts a speed (benchmarks/README.md says why).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from benchmarks import runner
+
+pytestmark = pytest.mark.slow
+
+
+async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Path) -> None:
+    result = await trio.to_thread.run_sync(runner.run_benchmarks, dsn, runner.TINY)
+    out = tmp_path / "results.json"
+    runner.write_json(result, out)
+    data = json.loads(out.read_text())
+
+    assert set(data) >= {"meta", "ceilings", "drain", "enqueue", "latency", "history",
+                         "replicas"}
+    assert all(v > 0 for v in data["ceilings"].values())
+    assert [d["concurrency"] for d in data["drain"]] == list(runner.TINY.drain_concurrency)
+    assert all(d["jobs_per_s"] > 0 and d["ratios"]["vs_a8"] > 0 for d in data["drain"])
+    assert data["enqueue"]["single_jobs_per_s"] > 0
+    assert data["enqueue"]["batch_jobs_per_s"] > 0
+    in_process = data["latency"]["in_process"]
+    assert in_process["n"] == runner.TINY.latency_jobs
+    assert 0 < in_process["p50_ms"] <= in_process["max_ms"]
+    other = data["latency"]["other_process"]
+    assert isinstance(other, str) or other["n"] == runner.TINY.latency_jobs
+    assert [h["history_rows"] for h in data["history"]] == list(runner.TINY.history_rows)
+    for h in data["history"]:
+        assert h["p50_ms"] > 0
+        assert h["plan_node"]
+    assert [r["processes"] for r in data["replicas"]] == list(runner.TINY.replica_processes)
+    assert all(r["jobs_per_s"] > 0 for r in data["replicas"])
+
+    table = runner.table(data)
+    assert table.row_count > 10
+    png = tmp_path / "bench.png"
+    if runner.plot(data, png):
+        assert png.stat().st_size > 0
