@@ -72,8 +72,11 @@ def is_transient(exc: BaseException) -> bool:
     """
     if isinstance(exc, BaseExceptionGroup):
         return all(is_transient(e) for e in exc.exceptions)
-    if isinstance(exc, OSError | asyncpg.InterfaceError | trio.TooSlowError):
-        return True  # OSError covers TimeoutError and ConnectionError
+    if isinstance(exc, OSError | asyncpg.InterfaceError | asyncpg.InternalClientError
+                  | trio.TooSlowError):
+        # OSError covers TimeoutError and ConnectionError; InternalClientError is
+        # asyncpg's word for a connection left in a state it cannot go on from.
+        return True
     if isinstance(exc, asyncpg.PostgresError):
         return str(getattr(exc, "sqlstate", "") or "")[:2] in _TRANSIENT_SQLSTATE_CLASSES
     return False
