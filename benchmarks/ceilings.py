@@ -59,32 +59,39 @@ def one_per_transaction(dsn: str, n_jobs: int, connections: int) -> float:
 
 
 def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
-    """Ceiling (b): jobs/s with the engine's statements, claiming `batch` at a time."""
+    """
+    Ceiling (b): jobs/s with the engine's own statements and batching, no engine.
+
+    As the worker does: one claim of up to `batch` jobs (one per executor slot),
+    then each slot finishes its job and claims its next in one statement
+    (`job_finish_and_claim`), on a connection of its own, until none is left.
+    """
     kinds = ["Upload"]
     known = sorted(t.kind for t in BUILTIN_PAYLOAD_TYPES)
 
+    async def slot(conn: asyncpg.Connection, row: asyncpg.Record | None) -> int:
+        done = 0
+        while row is not None:
+            rows = await conn.fetch(Q.job_finish_and_claim, row["id"], row["old_attempt"] + 1,
+                                    False, _build_id(row["payload"]), BUILD_FAILED, 1,
+                                    kinds, known)
+            done += 1
+            row = rows[0] if rows and rows[0]["id"] is not None else None
+        return done
+
     async def main() -> float:
         claimer = await asyncpg.connect(dsn)
-        finishers = [await asyncpg.connect(dsn) for _ in range(batch)]
+        slots = [await asyncpg.connect(dsn) for _ in range(batch)]
         try:
             done = 0
             t0 = time.perf_counter()
-            while True:
-                rows = await claimer.fetch(Q.job_claim, batch, kinds, known)
-                if not rows:
-                    break
-
-                async def finish(conn: asyncpg.Connection, row: asyncpg.Record) -> None:
-                    build_id = _build_id(row["payload"])
-                    await conn.fetchval(Q.job_finish_from_build, row["id"],
-                                        row["old_attempt"] + 1, False, build_id, BUILD_FAILED)
-
-                await asyncio.gather(*(finish(c, r) for c, r in zip(finishers, rows,
-                                                                      strict=False)))
-                done += len(rows)
+            while rows := await claimer.fetch(Q.job_claim, batch, kinds, known):
+                counts = await asyncio.gather(*(slot(c, r) for c, r in zip(slots, rows,
+                                                                        strict=False)))
+                done += sum(counts)
             elapsed = time.perf_counter() - t0
         finally:
-            for c in [claimer, *finishers]:
+            for c in [claimer, *slots]:
                 await c.close()
         if done != n_jobs:
             raise RuntimeError(f"ceiling (b) drained {done} jobs, expected {n_jobs}")
