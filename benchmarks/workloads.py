@@ -350,8 +350,7 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
                 errs = [p.stderr.read().decode()[-800:] if p.poll() is not None and p.stderr
                         else "" for p in procs]
                 raise RuntimeError(f"replicas: workers did not start: {errs}")
-            time.sleep(0.1)
-        time.sleep(0.3)
+            time.sleep(0.1)  # another process: poll the database, bounded by the deadline
         rows = prepare_agents(dsn, n_jobs)
 
         async def insert() -> None:
@@ -369,7 +368,7 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
         while _count(dsn, left) > 0:
             if time.perf_counter() - t0 > 300:
                 raise RuntimeError("replicas: jobs not drained in 300 s")
-            time.sleep(0.02)
+            time.sleep(0.02)  # the workers are other processes: poll, bounded
         elapsed = time.perf_counter() - t0
         done = _count(dsn, "SELECT count(*) FROM build_jobs WHERE status = 'done'")
     finally:
