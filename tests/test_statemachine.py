@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
-from nasiko_queue.testing.machine import run_queue_state_machine
+import attrs
+
+from nasiko_queue.testing.machine import (
+    HARNESS_CONFIG,
+    QueueStateMachine,
+    run_queue_state_machine,
+)
 
 
 async def test_engine_matches_the_model(dsn: str) -> None:
     await run_queue_state_machine(dsn)
+
+
+class ConcurrentMachine(QueueStateMachine):
+    """Issue #5's options switched on: three executors per worker (batched claims,
+    finish-and-claim per slot) and LISTEN/NOTIFY wakes."""
+
+    config = attrs.evolve(HARNESS_CONFIG, concurrency=3, listen=True)
+
+
+async def test_engine_matches_the_model_with_three_executors_per_worker(dsn: str) -> None:
+    await run_queue_state_machine(dsn, ConcurrentMachine)

@@ -318,6 +318,11 @@ class QueueStateMachine(RuleBasedStateMachine):
         """
         if kind not in self.kinds:
             kind = self.kinds[0]
+        if self.config.concurrency > 1:
+            # With several jobs running at once, a hang (which hard-stops the
+            # worker, cancelling its other jobs too) has no single right answer
+            # for the model; there the executor crashes instead.
+            plan = [Outcome.RAISE if o is Outcome.HANG else o for o in plan]
         self._call(self._enqueue, kind, prior_success, tuple(plan), stored_attempt)
 
     async def _enqueue(self, kind: str, prior_success: bool, plan: tuple[Outcome, ...],
@@ -437,6 +442,8 @@ class QueueStateMachine(RuleBasedStateMachine):
         A worker starts (startup sweep), drains, and stops gracefully or hard
         once idle — or is asked to stop gracefully while its n-th job runs.
         """
+        if self.config.concurrency > 1:
+            stop_during_run = None  # which other jobs finish first is a race, as above
         self._call(self._drain, [self.next_worker], hard, stop_during_run)
         self.queue._remove_waker(self.next_worker.wake)
         self.model.drain(stop_after_runs=stop_during_run)
