@@ -70,6 +70,8 @@ class Queries:
     job_insert_notify: str
     jobs_prune: str
     job_finish_and_claim: str
+    jobs_finish_many_and_claim: str
+    job_unclaim: str
 
 
 def parse(text: str) -> dict[str, str]:

@@ -97,6 +97,12 @@ class JobStore(Protocol):
         self, job: ClaimedJob, build_id: UUID, limit: int
     ) -> tuple[JobStatus | None, list[ClaimedJob]]: ...
 
+    async def finish_many_and_claim(
+        self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
+    ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]: ...
+
+    async def unclaim(self, job: ClaimedJob) -> bool: ...
+
     async def fail(
         self,
         job: ClaimedJob,
@@ -196,6 +202,41 @@ class PgJobStore:
             log.info("job %s finished but its row is gone or no longer ours; nothing to mark",
                      job.id)
         return (None if finished is None else JobStatus(finished)), claimed
+
+    async def finish_many_and_claim(
+        self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
+    ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
+        """
+        `finish_from_build` for every (job, build id) and `claim(limit)`, in one
+        round trip: the completer's statement when several slots finish at once.
+        Returns each job's status (None: gone or no longer ours) and the claims.
+        """
+        rows = await self._db.fetch(
+            Q.jobs_finish_many_and_claim,
+            [j.id for j, _ in finishing],
+            [j.attempt for j, _ in finishing],
+            [j.is_connector_job for j, _ in finishing],
+            [b for _, b in finishing],
+            BUILD_FAILED,
+            limit,
+            self._runnable,
+            self._known,
+        )
+        statuses: dict[UUID, JobStatus | None] = {}
+        claimed: list[ClaimedJob] = []
+        for row in rows:
+            if row["finished_id"] is not None:
+                status = row["finished_status"]
+                statuses[row["finished_id"]] = None if status is None else JobStatus(status)
+            else:
+                claimed.append(ClaimedJob(**{k: v for k, v in dict(row).items()
+                                             if k not in ("finished_id", "finished_status")}))
+        claimed.sort(key=lambda j: j.created_at)
+        return statuses, claimed
+
+    async def unclaim(self, job: ClaimedJob) -> bool:
+        """A claimed job that never started goes back to pending, its attempt restored."""
+        return await self._db.fetchval(Q.job_unclaim, job.id, job.attempt) is not None
 
     async def fail(
         self,

@@ -31,6 +31,7 @@ replica waits for the sweep.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -50,6 +51,7 @@ from .jobs import (
     MAX_ATTEMPTS_EXCEEDED,
     TARGET_DELETED,
     ClaimedJob,
+    JobStatus,
     JobStore,
     PgJobStore,
     RecoveryResult,
@@ -83,6 +85,19 @@ class WorkerStats:
     notifications: int = 0
     #: Finished jobs deleted by the retention prune of the recovery tick.
     pruned: int = 0
+
+
+@attrs.define(eq=False)
+class _Finish:
+    """One slot's request to the completer: record this job's outcome, maybe hand on."""
+
+    job: ClaimedJob
+    build_id: UUID
+    done: trio.Event = attrs.Factory(trio.Event)
+    status: JobStatus | None = None
+    next_job: ClaimedJob | None = None
+    #: The slot stopped waiting (a hard stop): hand it nothing.
+    abandoned: bool = False
 
 
 class Worker:
@@ -127,6 +142,9 @@ class Worker:
             self.config.wake_capacity
         )
         self._slots = trio.Semaphore(self.config.concurrency)
+        # Several slots: their finishes go through one completer, which records
+        # every finish queued at that moment in one statement.
+        self._finish_send, self._finish_recv = trio.open_memory_channel[_Finish](math.inf)
         self._stop = trio.Event()
         self._started = False
         self._changed = trio.Event()
@@ -194,6 +212,8 @@ class Worker:
         try:
             async with trio.open_nursery() as timers:
                 timers.start_soon(self._recovery_timer)
+                if self.config.concurrency > 1:
+                    timers.start_soon(self._completer)
                 if self.config.listen and self.config.notify_channel is not None:
                     # Returns once LISTEN is established (or its first try failed),
                     # so that an enqueue after `nursery.start(worker.run)` wakes us.
@@ -363,6 +383,8 @@ class Worker:
         if self._stop.is_set():
             status = await self._final(
                 "finish", lambda: store.finish_from_build(job, payload.build_id))
+        elif self.config.concurrency > 1:
+            status, handed_on = await self._finish_batched(job, payload.build_id)
         else:
             status, handed_on = await self._final(
                 "finish", lambda: store.finish_and_claim(job, payload.build_id, 1))
@@ -374,6 +396,65 @@ class Worker:
         log.info("job %s (%s %s): %s", job.id, payload.kind, payload.label(), status or "gone")
         self.stats.claimed += len(handed_on)
         return handed_on[0] if handed_on else None
+
+    async def _finish_batched(
+        self, job: ClaimedJob, build_id: UUID
+    ) -> tuple[JobStatus | None, list[ClaimedJob]]:
+        """Hand the finish to the completer and wait for it (several slots only)."""
+        request = _Finish(job=job, build_id=build_id)
+        self._finish_send.send_nowait(request)
+        try:
+            await request.done.wait()
+        except trio.Cancelled:
+            # A hard stop: make sure the outcome lands (a no-op if the completer
+            # already wrote it), and give back a job claimed for us meanwhile.
+            request.abandoned = True
+            with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+                try:
+                    await self._store.finish_from_build(job, build_id)
+                    if request.next_job is not None:
+                        await self._store.unclaim(request.next_job)
+                except Exception:
+                    log.exception("job %s: finish after a hard stop failed; the sweep will "
+                                  "recover it", job.id)
+            raise
+        return request.status, [request.next_job] if request.next_job else []
+
+    async def _completer(self) -> None:
+        """
+        Record finishes in batches: everything queued when the previous statement
+        returned goes into the next one, which also claims a job for each slot.
+
+        Nothing waits to fill a batch — a lone finish goes out at once — so no
+        job is delayed; under load, the finishes that pile up during one round
+        trip share the next.
+        """
+        while True:
+            batch = [await self._finish_recv.receive()]
+            while True:
+                try:
+                    batch.append(self._finish_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            wanted = 0 if self._stop.is_set() else sum(not r.abandoned for r in batch)
+            statuses, claimed = await self._final(
+                "finish",
+                functools.partial(self._store.finish_many_and_claim,
+                                  [(r.job, r.build_id) for r in batch], wanted),
+            )
+            for request in batch:
+                request.status = statuses.get(request.job.id)
+                if claimed and not request.abandoned:
+                    request.next_job = claimed.pop(0)
+                request.done.set()
+            for extra in claimed:  # a slot went away while we claimed for it
+                with trio.CancelScope(shield=True), \
+                        trio.move_on_after(self.config.cleanup_timeout):
+                    try:
+                        await self._store.unclaim(extra)
+                    except Exception:
+                        log.exception("job %s: could not be given back; the recovery sweep "
+                                      "will", extra.id)
 
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
         """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""

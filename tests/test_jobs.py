@@ -142,3 +142,75 @@ async def test_one_round_trip_per_job_at_concurrency_one(queue: Queue) -> None:
             worker.stop()
     assert worker.stats.done == 20
     assert store.calls == Counter({"finish_and_claim": 20, "claim": 3})
+
+
+class CountingBatches(PgJobStore):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[int] = []
+
+    async def finish_many_and_claim(self, finishing: Any, limit: int) -> Any:
+        self.batches.append(len(finishing))
+        return await super().finish_many_and_claim(finishing, limit)
+
+
+async def test_several_slots_finish_through_one_completer(queue: Queue) -> None:
+    """With concurrency 5, every finish goes through the completer, which records
+    all the finishes queued at that moment in one statement and claims each slot
+    its next job; every job still ends done exactly once."""
+    import attrs
+
+    from nasiko_queue import Worker
+
+    from .helpers import executors_for_all, succeed
+
+    runs: Counter[Any] = Counter()
+
+    async def run(ctx: Any) -> None:
+        runs[ctx.job_id] += 1
+        await succeed(ctx)
+
+    for _ in range(60):
+        await enqueue_with_target(queue, "Upload")
+    concurrent = Queue(queue.db, config=attrs.evolve(queue.config, concurrency=5))
+    kinds = frozenset(KINDS)
+    store = CountingBatches(queue.db, concurrent.config, runnable_kinds=kinds,
+                            known_kinds=kinds)
+    worker = Worker(concurrent, executors_for_all(run), store=store)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await worker.drain_once()
+            worker.stop()
+    assert sum(store.batches) == 60
+    assert len(runs) == 60
+    assert set(runs.values()) == {1}
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs WHERE status='done'") == 60
+
+
+async def test_hard_stop_with_several_slots_puts_every_running_job_back(queue: Queue) -> None:
+    import attrs
+
+    from nasiko_queue import Worker
+
+    from .helpers import executors_for_all
+
+    started = trio.Semaphore(0)
+
+    async def hang(ctx: Any) -> None:
+        started.release()
+        await trio.sleep_forever()
+
+    jobs = [await enqueue_with_target(queue, "Upload") for _ in range(3)]
+    concurrent = Queue(queue.db, config=attrs.evolve(queue.config, concurrency=3))
+    worker = Worker(concurrent, executors_for_all(hang))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            for _ in range(3):
+                await started.acquire()
+            nursery.cancel_scope.cancel()
+    for job in jobs:
+        row = await job_row(queue.db, job.job_id)
+        assert row is not None
+        assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 1, None)

@@ -363,3 +363,64 @@ WITH outcome AS (
 )
 SELECT (SELECT status FROM finished) AS finished_status, c.*
 FROM (SELECT 1) AS one LEFT JOIN claimed AS c ON true;
+
+-- name: jobs_finish_many_and_claim
+-- The completer's statement (concurrency > 1): finish every job of the batch
+-- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
+-- claim up to $6 next jobs ($7, $8 as in job_claim), in one round trip. Rows
+-- with finished_id set report a finish (finished_status NULL: gone or no
+-- longer ours); rows with id set are claimed jobs.
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
+        AS i(id, attempt, is_connector, build_id)
+), outcome AS (
+    SELECT i.id, i.attempt,
+           CASE WHEN i.is_connector
+                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
+                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
+           END AS build_status
+    FROM input AS i
+), finished AS (
+    UPDATE build_jobs AS j
+    SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
+        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
+        completed_at = now()
+    FROM outcome AS o
+    WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt
+    RETURNING j.id, j.status
+), next AS (
+    SELECT id
+    FROM build_jobs
+    WHERE status = 'pending'
+      AND (payload ->> 'kind' = ANY ($7::text[])
+           OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
+    ORDER BY created_at
+    LIMIT $6
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE build_jobs AS j
+    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
+    FROM next
+    WHERE j.id = next.id
+    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
+              j.attempt - 1 AS old_attempt, j.created_at,
+              EXISTS (SELECT 1 FROM agents AS a
+                      WHERE a.id = j.agent_id AND a.deleted_at IS NOT NULL) AS target_soft_deleted
+)
+SELECT i.id AS finished_id, f.status AS finished_status,
+       NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
+       NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
+       NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
+FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
+UNION ALL
+SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
+       c.created_at, c.target_soft_deleted
+FROM claimed AS c;
+
+-- name: job_unclaim
+-- Give back a job that was claimed but never started (its slot went away): back
+-- to pending with the attempt restored, since it never ran.
+UPDATE build_jobs
+SET status = 'pending', picked_at = NULL, attempt = attempt - 1
+WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+RETURNING id;
