@@ -62,37 +62,40 @@ def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
     """
     Ceiling (b): jobs/s with the engine's own statements and batching, no engine.
 
-    As the worker does: one claim of up to `batch` jobs (one per executor slot),
-    then each slot finishes its job and claims its next in one statement
-    (`job_finish_and_claim`), on a connection of its own, until none is left.
+    As the worker does: one claim of up to `batch` jobs (one per executor slot);
+    then, with one slot, finish-and-claim-next in one statement
+    (`job_finish_and_claim`); with several, the completer's statement, which
+    finishes every job of the round and claims the next round
+    (`jobs_finish_many_and_claim`).
     """
     kinds = ["Upload"]
     known = sorted(t.kind for t in BUILTIN_PAYLOAD_TYPES)
 
-    async def slot(conn: asyncpg.Connection, row: asyncpg.Record | None) -> int:
-        done = 0
-        while row is not None:
-            rows = await conn.fetch(Q.job_finish_and_claim, row["id"], row["old_attempt"] + 1,
-                                    False, _build_id(row["payload"]), BUILD_FAILED, 1,
-                                    kinds, known)
-            done += 1
-            row = rows[0] if rows and rows[0]["id"] is not None else None
-        return done
-
     async def main() -> float:
-        claimer = await asyncpg.connect(dsn)
-        slots = [await asyncpg.connect(dsn) for _ in range(batch)]
+        conn = await asyncpg.connect(dsn)
         try:
             done = 0
             t0 = time.perf_counter()
-            while rows := await claimer.fetch(Q.job_claim, batch, kinds, known):
-                counts = await asyncio.gather(*(slot(c, r) for c, r in zip(slots, rows,
-                                                                        strict=False)))
-                done += sum(counts)
+            rows = list(await conn.fetch(Q.job_claim, batch, kinds, known))
+            while rows:
+                done += len(rows)
+                if batch == 1:
+                    (row,) = rows
+                    got = await conn.fetch(Q.job_finish_and_claim, row["id"],
+                                           row["old_attempt"] + 1, False,
+                                           _build_id(row["payload"]), BUILD_FAILED, 1,
+                                           kinds, known)
+                    rows = [r for r in got if r["id"] is not None]
+                else:
+                    got = await conn.fetch(
+                        Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
+                        [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
+                        [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
+                        kinds, known)
+                    rows = [r for r in got if r["id"] is not None]
             elapsed = time.perf_counter() - t0
         finally:
-            for c in [claimer, *slots]:
-                await c.close()
+            await conn.close()
         if done != n_jobs:
             raise RuntimeError(f"ceiling (b) drained {done} jobs, expected {n_jobs}")
         return done / elapsed
