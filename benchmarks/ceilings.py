@@ -62,11 +62,9 @@ def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
     """
     Ceiling (b): jobs/s with the engine's own statements and batching, no engine.
 
-    As the worker does: one claim of up to `batch` jobs (one per executor slot);
-    then, with one slot, finish-and-claim-next in one statement
-    (`job_finish_and_claim`); with several, the completer's statement, which
-    finishes every job of the round and claims the next round
-    (`jobs_finish_many_and_claim`).
+    As the worker does: one claim of up to `batch` jobs (one per executor slot),
+    then one statement per round that finishes every job of the round and
+    claims the next (`jobs_finish_many_and_claim`; a round of one at K=1).
     """
     kinds = ["Upload"]
     known = sorted(t.kind for t in BUILTIN_PAYLOAD_TYPES)
@@ -79,20 +77,12 @@ def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
             rows = list(await conn.fetch(Q.job_claim, batch, kinds, known))
             while rows:
                 done += len(rows)
-                if batch == 1:
-                    (row,) = rows
-                    got = await conn.fetch(Q.job_finish_and_claim, row["id"],
-                                           row["old_attempt"] + 1, False,
-                                           _build_id(row["payload"]), BUILD_FAILED, 1,
-                                           kinds, known)
-                    rows = [r for r in got if r["id"] is not None]
-                else:
-                    got = await conn.fetch(
-                        Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
-                        [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
-                        [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
-                        kinds, known)
-                    rows = [r for r in got if r["id"] is not None]
+                got = await conn.fetch(
+                    Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
+                    [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
+                    [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
+                    kinds, known)
+                rows = [r for r in got if r["id"] is not None]
             elapsed = time.perf_counter() - t0
         finally:
             await conn.close()

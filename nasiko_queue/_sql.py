@@ -69,7 +69,6 @@ class Queries:
     jobs_age_in_progress: str
     job_insert_notify: str
     jobs_prune: str
-    job_finish_and_claim: str
     jobs_finish_many_and_claim: str
     job_unclaim: str
 

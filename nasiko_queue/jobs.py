@@ -179,29 +179,16 @@ class PgJobStore:
 
         The worker uses it when an executor slot frees: the next job is claimed
         by the same statement that records this one's outcome, so a worker
-        running one job at a time spends one round trip per job, not two.
+        running one job at a time spends one round trip per job, not two. It is
+        the batch statement with a batch of one, so the claim lives in SQL twice,
+        not three times.
         """
-        rows = await self._db.fetch(
-            Q.job_finish_and_claim,
-            job.id,
-            job.attempt,
-            job.is_connector_job,
-            build_id,
-            BUILD_FAILED,
-            limit,
-            self._runnable,
-            self._known,
-        )
-        finished = rows[0]["finished_status"] if rows else None
-        claimed = [
-            ClaimedJob(**{k: v for k, v in dict(row).items() if k != "finished_status"})
-            for row in rows if row["id"] is not None
-        ]
-        claimed.sort(key=lambda j: j.created_at)
+        statuses, claimed = await self.finish_many_and_claim([(job, build_id)], limit)
+        finished = statuses.get(job.id)
         if finished is None:
             log.info("job %s finished but its row is gone or no longer ours; nothing to mark",
                      job.id)
-        return (None if finished is None else JobStatus(finished)), claimed
+        return finished, claimed
 
     async def finish_many_and_claim(
         self, finishing: list[tuple[ClaimedJob, UUID]], limit: int

@@ -322,50 +322,10 @@ DELETE FROM build_jobs AS j
 USING old
 WHERE j.id = old.id;
 
--- name: job_finish_and_claim
--- job_finish_from_build and job_claim in one round trip: when one executor slot
--- frees, its job is marked and the next one claimed together ($1-$5 as in
--- job_finish_from_build; $6-$8 as $1-$3 of job_claim). The claim sees the
--- statement's snapshot, in which the finishing job is still in_progress, so it
--- can never take that job. Always one row: finished_status (NULL when the
--- job is gone or no longer ours) and the claimed job's columns (NULL if none).
-WITH outcome AS (
-    SELECT CASE WHEN $3::boolean
-                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = $4)
-                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = $4)
-           END AS build_status
-), finished AS (
-    UPDATE build_jobs AS j
-    SET status = CASE WHEN outcome.build_status = 'success' THEN 'done' ELSE 'failed' END,
-        error_msg = CASE WHEN outcome.build_status = 'success' THEN NULL ELSE $5 END,
-        completed_at = now()
-    FROM outcome
-    WHERE j.id = $1 AND j.status = 'in_progress' AND j.attempt = $2
-    RETURNING j.status
-), next AS (
-    SELECT id
-    FROM build_jobs
-    WHERE status = 'pending'
-      AND (payload ->> 'kind' = ANY ($7::text[])
-           OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
-    ORDER BY created_at
-    LIMIT $6
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE build_jobs AS j
-    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
-    FROM next
-    WHERE j.id = next.id
-    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
-              j.attempt - 1 AS old_attempt, j.created_at,
-              EXISTS (SELECT 1 FROM agents AS a
-                      WHERE a.id = j.agent_id AND a.deleted_at IS NOT NULL) AS target_soft_deleted
-)
-SELECT (SELECT status FROM finished) AS finished_status, c.*
-FROM (SELECT 1) AS one LEFT JOIN claimed AS c ON true;
-
 -- name: jobs_finish_many_and_claim
--- The completer's statement (concurrency > 1): finish every job of the batch
+-- Finish jobs and claim their slots' next ones in one round trip: a batch of
+-- one when a worker runs one job at a time, the completer's batch otherwise.
+-- Finish every job of the batch
 -- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
 -- claim up to $6 next jobs ($7, $8 as in job_claim), in one round trip. Rows
 -- with finished_id set report a finish (finished_status NULL: gone or no
