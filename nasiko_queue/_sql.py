@@ -70,7 +70,8 @@ class Queries:
     job_insert_notify: str
     jobs_prune: str
     jobs_finish_many_and_claim: str
-    job_unclaim: str
+    jobs_unclaim: str
+    queue_notify: str
 
 
 def parse(text: str) -> dict[str, str]:

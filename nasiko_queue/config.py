@@ -77,6 +77,17 @@ class QueueConfig:
     recovery_interval: float = attrs.field(default=RECOVERY_INTERVAL, validator=_positive)
     #: Executors one worker runs at once. 1 is the original's behaviour.
     concurrency: int = attrs.field(default=1, validator=_at_least_one)
+    #: Jobs a worker may claim ahead of its free slots, into a local buffer, so
+    #: that a slot whose job ends starts the next at once while the fetcher
+    #: records the finish and claims more in one statement. 0 (the default, as
+    #: in the original) claims only for idle slots. For many short jobs; a
+    #: prefetched job counts as claimed (attempt, picked_at) until it is given back.
+    prefetch: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: Seconds a prefetched job may wait in the buffer before it goes back to
+    #: pending (attempt restored) for an idle replica to take; after that the
+    #: worker prefetches again only once a slot of its own runs dry. Must stay
+    #: well under `stuck_job_mins`, or a sweep elsewhere would run it twice.
+    prefetch_ttl: float = attrs.field(default=60.0, validator=_positive)
     #: Largest encoded payload `enqueue` accepts.
     max_payload_bytes: int = attrs.field(default=MAX_PAYLOAD_BYTES, validator=_at_least_one)
     #: First delay when a final update or a startup sweep fails; doubles up to the cap.
@@ -106,3 +117,10 @@ class QueueConfig:
     #: When set, the worker's recovery tick also deletes done/failed jobs whose
     #: `completed_at` is older than this (`nasiko_queue.retention.prune`).
     retention: timedelta | None = attrs.field(default=None, validator=_retention)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefetch and self.prefetch_ttl >= self.stuck_job_mins * 60 / 2:
+            raise ConfigurationError(
+                f"prefetch_ttl ({self.prefetch_ttl}s) must be under half of stuck_job_mins "
+                f"({self.stuck_job_mins} min): a prefetched job counts as in_progress, and "
+                "one held near the stuck threshold could be recovered and run elsewhere too")

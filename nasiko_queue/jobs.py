@@ -93,15 +93,11 @@ class JobStore(Protocol):
 
     async def finish_from_build(self, job: ClaimedJob, build_id: UUID) -> JobStatus | None: ...
 
-    async def finish_and_claim(
-        self, job: ClaimedJob, build_id: UUID, limit: int
-    ) -> tuple[JobStatus | None, list[ClaimedJob]]: ...
-
     async def finish_many_and_claim(
         self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]: ...
 
-    async def unclaim(self, job: ClaimedJob) -> bool: ...
+    async def unclaim(self, jobs: list[ClaimedJob]) -> int: ...
 
     async def fail(
         self,
@@ -171,32 +167,15 @@ class PgJobStore:
             return None
         return JobStatus(status)
 
-    async def finish_and_claim(
-        self, job: ClaimedJob, build_id: UUID, limit: int
-    ) -> tuple[JobStatus | None, list[ClaimedJob]]:
-        """
-        `finish_from_build` and `claim(limit)` in one round trip.
-
-        The worker uses it when an executor slot frees: the next job is claimed
-        by the same statement that records this one's outcome, so a worker
-        running one job at a time spends one round trip per job, not two. It is
-        the batch statement with a batch of one, so the claim lives in SQL twice,
-        not three times.
-        """
-        statuses, claimed = await self.finish_many_and_claim([(job, build_id)], limit)
-        finished = statuses.get(job.id)
-        if finished is None:
-            log.info("job %s finished but its row is gone or no longer ours; nothing to mark",
-                     job.id)
-        return finished, claimed
-
     async def finish_many_and_claim(
         self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
         """
         `finish_from_build` for every (job, build id) and `claim(limit)`, in one
-        round trip: the completer's statement when several slots finish at once.
-        Returns each job's status (None: gone or no longer ours) and the claims.
+        round trip: the worker's fetcher records every finish queued since its
+        last statement and claims what its slots and prefetch buffer have room
+        for, so the claim's SQL lives in two statements, not three. Returns each
+        job's status (None: gone or no longer ours) and the claims.
         """
         rows = await self._db.fetch(
             Q.jobs_finish_many_and_claim,
@@ -221,9 +200,19 @@ class PgJobStore:
         claimed.sort(key=lambda j: j.created_at)
         return statuses, claimed
 
-    async def unclaim(self, job: ClaimedJob) -> bool:
-        """A claimed job that never started goes back to pending, its attempt restored."""
-        return await self._db.fetchval(Q.job_unclaim, job.id, job.attempt) is not None
+    async def unclaim(self, jobs: list[ClaimedJob]) -> int:
+        """
+        Claimed jobs that never started go back to pending, their attempts
+        restored (they never ran), and every listening worker is woken so an
+        idle replica takes them at once. Returns how many went back.
+        """
+        if not jobs:
+            return 0
+        rows = await self._db.fetch(Q.jobs_unclaim, [j.id for j in jobs],
+                                    [j.attempt for j in jobs])
+        if rows and self._config.notify_channel is not None:
+            await self._db.execute(Q.queue_notify, self._config.notify_channel)
+        return len(rows)
 
     async def fail(
         self,

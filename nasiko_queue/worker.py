@@ -10,26 +10,38 @@ Shape (SPEC §5, §8)::
                          `QueueConfig.retention` is set), and the LISTEN task (a
                          dedicated connection whose notifications feed the wake
                          channel; reconnects with backoff and drains after a loss)
-      nursery "executors": one child task per claimed job
-      drain loop:        drain; then wait for a wake (channel of capacity 64) or
-                         the poll timeout (5 s, re-armed after every drain);
-                         coalesce the wakes that piled up; drain again
+      nursery "work":    the fetcher, the one task that talks to the queue for
+                         the slots: it claims, records finishes and gives back
+                         jobs that never started; and `concurrency` slot tasks,
+                         each taking claimed jobs from the local buffer and
+                         running each executor in a nursery of its own
+      drain loop:        ask the fetcher to drain; then wait for a wake
+                         (channel of capacity 64) or the poll timeout (5 s,
+                         re-armed after every drain); coalesce the wakes that
+                         piled up; drain again
 
-A drain claims jobs until none is pending, never more at once than there are
-free executor slots (`QueueConfig.concurrency`, 1 as in the original: the
-next claim then waits for the running job). Each claimed job goes through the
-attempt cap, payload parsing and the soft-delete check before its executor
-runs in a nursery of its own, so that an exception ("panic") lands in
+A drain claims jobs until a claim comes back short, never more at once than
+the slots and the prefetch buffer have room for (`QueueConfig.concurrency`, 1
+as in the original, plus `QueueConfig.prefetch`, 0 as in the original: the
+next claim then waits for the running job). When a slot's executor returns,
+the slot hands the finish to the fetcher and takes its next job; the fetcher
+records every finish queued at that moment and claims the room they freed in
+one statement, so a worker spends one round trip per job at most, and fewer
+when jobs end close together. Each claimed job goes through the attempt cap,
+payload parsing and the soft-delete check before its executor runs in a
+nursery of its own, so that an exception ("panic") lands in
 `reset_panicked_job` instead of taking the worker down.
 
 Stopping: `stop()` (or closing every send side of the wake channel) lets the
-running executors finish and claims nothing more. Cancelling `run()` cancels
-the executors, and their jobs go back to pending at once, shielded, so no
-replica waits for the sweep.
+running executors finish, records their outcomes, gives back what the buffer
+holds (attempts restored: those jobs never ran) and claims nothing more.
+Cancelling `run()` cancels the executors, and their jobs go back to pending at
+once, shielded, so no replica waits for the sweep.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -51,7 +63,6 @@ from .jobs import (
     MAX_ATTEMPTS_EXCEEDED,
     TARGET_DELETED,
     ClaimedJob,
-    JobStatus,
     JobStore,
     PgJobStore,
     RecoveryResult,
@@ -75,10 +86,19 @@ class WorkerStats:
     done: int = 0
     failed: int = 0
     panicked: int = 0
+    #: Jobs cancelled by a hard stop and put back (their attempt stays counted).
     released: int = 0
+    #: Claimed jobs given back without having started (prefetched, at a stop or
+    #: past `prefetch_ttl`): their attempts restored.
+    returned: int = 0
     recoveries: int = 0
     claim_errors: int = 0
+    #: Jobs in a slot now (executor running, or the job being checked or failed).
     running: int = 0
+    #: Claimed jobs waiting in the local buffer for a slot.
+    buffered: int = 0
+    #: Finished jobs whose outcome the fetcher has yet to record.
+    finishing: int = 0
     #: LISTEN connections established (1 after start; each reconnect adds one).
     listen_connects: int = 0
     #: Notifications received on the LISTEN connection.
@@ -87,17 +107,13 @@ class WorkerStats:
     pruned: int = 0
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class _Finish:
-    """One slot's request to the completer: record this job's outcome, maybe hand on."""
+    """A slot's executor returned: the fetcher records the outcome from the build row."""
 
     job: ClaimedJob
     build_id: UUID
-    done: trio.Event = attrs.Factory(trio.Event)
-    status: JobStatus | None = None
-    next_job: ClaimedJob | None = None
-    #: The slot stopped waiting (a hard stop): hand it nothing.
-    abandoned: bool = False
+    label: str
 
 
 class Worker:
@@ -141,10 +157,21 @@ class Worker:
         self._wake_send, self._wake_recv = trio.open_memory_channel[None](
             self.config.wake_capacity
         )
-        self._slots = trio.Semaphore(self.config.concurrency)
-        # Several slots: their finishes go through one completer, which records
-        # every finish queued at that moment in one statement.
-        self._finish_send, self._finish_recv = trio.open_memory_channel[_Finish](math.inf)
+        # Claimed jobs no slot has taken yet, each with the (trio) time it was
+        # claimed, oldest first; slots park on `_job_ready` while it is empty.
+        self._buffer: collections.deque[tuple[ClaimedJob, float]] = collections.deque()
+        self._job_ready = trio.lowlevel.ParkingLot()
+        # Finishes handed over by the slots, for the fetcher's next statement.
+        self._finishes: list[_Finish] = []
+        # Set to make the fetcher look at its work again (a finish, room, a drain).
+        self._kicked = trio.Event()
+        self._draining = False
+        self._drain_ended = trio.Event()
+        # Past `prefetch_ttl`: claim only for idle slots until a slot runs dry.
+        self._prefetch_paused = False
+        # Graceful or hard stop under way: slots take nothing more from the buffer.
+        self._closing = False
+        self._slots_alive = 0
         self._stop = trio.Event()
         self._started = False
         self._changed = trio.Event()
@@ -162,18 +189,21 @@ class Worker:
         """Graceful stop: claim nothing more, let running executors finish, return."""
         self._stop.set()
         self._wake_send.close()
+        self._end_drain()
+        self._kick()
 
     async def drain_once(self) -> None:
         """
         Wake the worker and wait until a drain that began after this call is over.
 
-        "Over" means the claim found nothing runnable and no executor is running.
+        "Over" means a claim came back short (nothing more runnable), no job
+        is running or waiting in the buffer, and every outcome is recorded.
         Meant for tests and tools that need to know the queue has been worked,
         without sleeping.
         """
         target = self.stats.drains_started + 1
         self.wake()
-        while not (self.stats.drains_completed >= target and self.stats.running == 0):
+        while not (self.stats.drains_completed >= target and self._idle()):
             if self._stop.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await self._changed.wait()
@@ -188,9 +218,16 @@ class Worker:
         while not condition(self.stats):
             await self._changed.wait()
 
+    def _idle(self) -> bool:
+        stats = self.stats
+        return stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+    def _kick(self) -> None:
+        self._kicked.set()
 
     # -- the loop -------------------------------------------------------------
 
@@ -212,17 +249,22 @@ class Worker:
         try:
             async with trio.open_nursery() as timers:
                 timers.start_soon(self._recovery_timer)
-                if self.config.concurrency > 1:
-                    timers.start_soon(self._completer)
                 if self.config.listen and self.config.notify_channel is not None:
                     # Returns once LISTEN is established (or its first try failed),
                     # so that an enqueue after `nursery.start(worker.run)` wakes us.
                     await timers.start(self._listener, self.config.notify_channel)
-                async with trio.open_nursery() as executors:
+                async with trio.open_nursery() as work:
+                    work.start_soon(self._fetcher, name="fetcher")
+                    for n in range(self.config.concurrency):
+                        work.start_soon(self._slot, name=f"slot {n}")
                     task_status.started()
                     log.info("worker started (kinds: %s)", ", ".join(sorted(self.executors)))
-                    await self._drain_loop(executors)
-                # Every executor has finished; the timers have nothing left to guard.
+                    try:
+                        await self._drain_loop()
+                    finally:
+                        self._close()
+                # Every slot has returned and the fetcher has recorded their
+                # outcomes; the timers have nothing left to guard.
                 timers.cancel_scope.cancel()
         finally:
             self.queue._remove_waker(self.wake)
@@ -230,9 +272,20 @@ class Worker:
             self._notify()
         log.info("worker stopped")
 
-    async def _drain_loop(self, executors: trio.Nursery) -> None:
+    def _end_drain(self) -> None:
+        self._draining = False
+        self._drain_ended.set()
+
+    def _close(self) -> None:
+        """Slots take nothing more; the fetcher gives the buffer back and winds down."""
+        self._closing = True
+        self._end_drain()
+        self._job_ready.unpark_all()
+        self._kick()
+
+    async def _drain_loop(self) -> None:
         while True:
-            await self._drain(executors)
+            await self._drain()
             if self._stop.is_set():
                 return
             with trio.move_on_after(self.config.poll_interval):
@@ -251,36 +304,206 @@ class Worker:
             if self._stop.is_set():
                 return
 
-    async def _drain(self, executors: trio.Nursery) -> None:
-        """Claim and start jobs until none is pending (or a claim fails)."""
+    async def _drain(self) -> None:
+        """Have the fetcher claim until a claim comes back short (or fails)."""
         self.stats.drains_started += 1
+        self._drain_ended = trio.Event()
+        self._draining = True
+        self._kick()
         try:
-            while not self._stop.is_set():
-                await self._slots.acquire()
-                free = 1
-                while True:  # claim as many jobs as there are free slots
-                    try:
-                        self._slots.acquire_nowait()
-                    except trio.WouldBlock:
-                        break
-                    free += 1
-                if self._stop.is_set():
-                    self._release_slots(free)
-                    return
-                jobs = await self._claim(free)
-                if jobs is None:
-                    self._release_slots(free)
-                    return
-                self._release_slots(free - len(jobs))
-                if not jobs:
-                    return
-                self.stats.claimed += len(jobs)
-                for job in jobs:
-                    self.stats.running += 1
-                    executors.start_soon(self._run_job, job, name=f"job {job.id}")
+            if not self._stop.is_set():
+                await self._drain_ended.wait()
         finally:
+            self._draining = False
             self.stats.drains_completed += 1
             self._notify()
+
+    def _room(self) -> int:
+        """How many jobs the next claim may take: free slots plus free buffer places."""
+        if self._closing or self._stop.is_set():
+            return 0
+        capacity = self.config.concurrency
+        if not self._prefetch_paused:
+            capacity += self.config.prefetch
+        return max(0, capacity - len(self._buffer) - self.stats.running)
+
+    # -- the slots ------------------------------------------------------------
+
+    async def _slot(self) -> None:
+        """Take claimed jobs from the buffer and run them, one at a time, until closing."""
+        self._slots_alive += 1
+        try:
+            while True:
+                job = await self._take()
+                if job is None:
+                    return
+                self.stats.running += 1
+                finish: _Finish | None = None
+                try:
+                    finish = await self._process(job)
+                except Exception:
+                    # Not the executor (its crashes are handled in _process) and not
+                    # the database (final updates retry): a bug of ours. Keep the other
+                    # jobs running; this one stays in_progress for the recovery sweep.
+                    log.exception("job %s: internal error; left for the recovery sweep", job.id)
+                finally:
+                    # No checkpoint between the executor's return and this hand-over:
+                    # a hard stop cannot come between them and lose the outcome.
+                    self.stats.running -= 1
+                    if finish is not None:
+                        self._finishes.append(finish)
+                        self.stats.finishing += 1
+                    self._kick()
+                    self._notify()
+        finally:
+            self._slots_alive -= 1
+            self._kick()
+
+    async def _take(self) -> ClaimedJob | None:
+        """The oldest buffered job, waiting for one if need be; None once closing."""
+        while not self._buffer:
+            if self._closing:
+                return None
+            if self._prefetch_paused:  # we run dry: prefetching is worth it again
+                self._prefetch_paused = False
+                self._kick()
+            await self._job_ready.park()
+        if self._closing:
+            return None  # a stop: what the buffer holds goes back, never starts
+        job, _claimed_at = self._buffer.popleft()
+        self.stats.buffered -= 1
+        return job
+
+    # -- the fetcher ----------------------------------------------------------
+
+    async def _fetcher(self) -> None:
+        """
+        The one task that claims for this worker, records its finishes, and
+        gives back jobs that never started.
+
+        Each pass sends one statement: every finish queued since the last one
+        plus a claim for the room they freed (`finish_many_and_claim`); or, in
+        a drain with no finish waiting, a plain claim. Nothing waits to fill a
+        batch, so no outcome is delayed by more than the statement before it;
+        under load, the finishes that pile up during one round trip share the
+        next. On a stop it records the outcomes of the last running jobs and
+        gives back the buffer; on a hard stop it does so shielded and bounded.
+        """
+        try:
+            await self._fetch_until_closed()
+        finally:
+            with trio.CancelScope(shield=True), \
+                    trio.move_on_after(2 * self.config.cleanup_timeout):
+                await self._wind_down()
+
+    async def _fetch_until_closed(self) -> None:
+        ttl = self.config.prefetch_ttl
+        while True:
+            if self._buffer and (self._closing or self._buffer[0][1] + ttl <= trio.current_time()):
+                await self._give_back(expired=not self._closing)
+            elif self._finishes:
+                await self._record_finishes(claim=True)
+            elif self._draining and self._room():
+                await self._claim_for_drain()
+            elif self._closing and not self._slots_alive:
+                return
+            else:
+                deadline = self._buffer[0][1] + ttl if self._buffer else math.inf
+                with trio.move_on_at(deadline):
+                    await self._kicked.wait()
+                self._kicked = trio.Event()
+
+    async def _record_finishes(self, *, claim: bool) -> None:
+        batch, self._finishes = self._finishes, []
+        want = self._room() if claim else 0
+        drain = self.stats.drains_started
+        statuses, claimed = await self._final(
+            "finish",
+            functools.partial(self._store.finish_many_and_claim,
+                              [(f.job, f.build_id) for f in batch], want),
+        )
+        self._accept(claimed, want, drain)
+        for finish in batch:
+            status = statuses.get(finish.job.id)
+            if status == "done":
+                self.stats.done += 1
+            elif status is not None:
+                self.stats.failed += 1
+            log.info("job %s (%s): %s", finish.job.id, finish.label, status or "gone")
+        self.stats.finishing -= len(batch)
+        self._notify()
+
+    async def _claim_for_drain(self) -> None:
+        want = self._room()
+        drain = self.stats.drains_started
+        claimed = await self._claim(want)
+        if claimed is None:
+            self._end_drain()  # logged; the next wake or poll tries again
+        else:
+            self._accept(claimed, want, drain)
+        self._notify()
+
+    def _accept(self, claimed: list[ClaimedJob], wanted: int, drain: int) -> None:
+        """
+        Claimed jobs into the buffer. A claim that came back short ends the
+        drain, if it was sent during that drain: one sent before the wake may
+        not have seen the job that caused it.
+        """
+        if wanted and len(claimed) < wanted and drain == self.stats.drains_started:
+            self._end_drain()
+        if not claimed:
+            return
+        now = trio.current_time()
+        self._buffer.extend((job, now) for job in claimed)
+        self.stats.buffered += len(claimed)
+        self.stats.claimed += len(claimed)
+        self._job_ready.unpark(count=len(claimed))
+
+    async def _give_back(self, *, expired: bool) -> None:
+        """
+        Buffered jobs back to pending, attempts restored: on closing, all of
+        them; else those past `prefetch_ttl`, and prefetching pauses until a
+        slot runs dry, or we would claim the same jobs straight back.
+        """
+        if expired:
+            cutoff = trio.current_time() - self.config.prefetch_ttl
+            jobs = []
+            while self._buffer and self._buffer[0][1] <= cutoff:
+                jobs.append(self._buffer.popleft()[0])
+            self._prefetch_paused = True
+        else:
+            jobs = [job for job, _ in self._buffer]
+            self._buffer.clear()
+        self.stats.buffered -= len(jobs)
+        with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+            try:
+                self.stats.returned += await self._store.unclaim(jobs)
+            except Exception as exc:
+                log.warning("%d unstarted job(s) could not be given back (%s); the recovery "
+                            "sweep will", len(jobs), _one_line(exc))
+        log.info("gave back %d job(s) that never started (%s)", len(jobs),
+                 "waited past prefetch_ttl" if expired else "stopping")
+        self._notify()
+
+    async def _wind_down(self) -> None:
+        """
+        After the loop (graceful) or on a hard stop: record the finishes of the
+        last slots and give back the buffer. Bounded by the caller.
+        """
+        self._closing = True
+        while self._buffer or self._finishes or self._slots_alive:
+            if self._buffer:
+                await self._give_back(expired=False)
+            elif self._finishes:
+                try:
+                    await self._record_finishes(claim=False)
+                except Exception:  # _final retries outages; this is the cancelled case
+                    log.exception("the last finishes could not be recorded; the recovery "
+                                  "sweep will")
+                    return
+            else:
+                await self._kicked.wait()
+                self._kicked = trio.Event()
 
     async def _claim(self, limit: int) -> list[ClaimedJob] | None:
         """
@@ -302,41 +525,16 @@ class Worker:
                       self.config.cleanup_timeout)
         return None
 
-    def _release_slots(self, n: int) -> None:
-        for _ in range(n):
-            self._slots.release()
-
     # -- one job --------------------------------------------------------------
 
-    async def _run_job(self, first: ClaimedJob) -> None:
+    async def _process(self, job: ClaimedJob) -> _Finish | None:
         """
-        Run a job in its executor slot, then any job handed on to the same slot.
+        Take one claimed job through SPEC §5 steps 1-4 and run its executor.
 
-        A job whose executor returned is finished by the statement that also
-        claims the next job for this slot (`finish_and_claim`), so the slot
-        goes straight on with it: one round trip per job instead of two.
+        Returns the finish for the fetcher to record (step 5) when the executor
+        returned; every other outcome (cap, invalid payload, deleted target,
+        panic) is written here.
         """
-        job: ClaimedJob | None = first
-        try:
-            while job is not None:
-                current = job
-                job = None
-                try:
-                    job = await self._process(current)
-                except Exception:
-                    # Not the executor (its crashes are handled in _process) and not
-                    # the database (final updates retry): a bug of ours. Keep the other
-                    # jobs running; this one stays in_progress for the recovery sweep.
-                    log.exception("job %s: internal error; left for the recovery sweep",
-                                  current.id)
-        finally:
-            self.stats.running -= 1
-            self._slots.release()
-            self._notify()
-
-    async def _process(self, job: ClaimedJob) -> ClaimedJob | None:
-        """Take one claimed job through SPEC §5 steps 1-5; return a job handed on, if any."""
-        store = self._store
         if self._out_of_attempts(job):
             log.warning("job %s: attempt %d exceeds the cap; failing", job.id, job.attempt)
             await self._fail(job, MAX_ATTEMPTS_EXCEEDED, own_build_id=_raw_build_id(job))
@@ -379,82 +577,8 @@ class Worker:
             # Cancelled: a hard stop. The job never finished; hand it back now.
             await self._release(job)
             raise
-        handed_on: list[ClaimedJob] = []
-        if self._stop.is_set():
-            status = await self._final(
-                "finish", lambda: store.finish_from_build(job, payload.build_id))
-        elif self.config.concurrency > 1:
-            status, handed_on = await self._finish_batched(job, payload.build_id)
-        else:
-            status, handed_on = await self._final(
-                "finish", lambda: store.finish_and_claim(job, payload.build_id, 1))
-        if status is not None:
-            if status == "done":
-                self.stats.done += 1
-            else:
-                self.stats.failed += 1
-        log.info("job %s (%s %s): %s", job.id, payload.kind, payload.label(), status or "gone")
-        self.stats.claimed += len(handed_on)
-        return handed_on[0] if handed_on else None
-
-    async def _finish_batched(
-        self, job: ClaimedJob, build_id: UUID
-    ) -> tuple[JobStatus | None, list[ClaimedJob]]:
-        """Hand the finish to the completer and wait for it (several slots only)."""
-        request = _Finish(job=job, build_id=build_id)
-        self._finish_send.send_nowait(request)
-        try:
-            await request.done.wait()
-        except trio.Cancelled:
-            # A hard stop: make sure the outcome lands (a no-op if the completer
-            # already wrote it), and give back a job claimed for us meanwhile.
-            request.abandoned = True
-            with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
-                try:
-                    await self._store.finish_from_build(job, build_id)
-                    if request.next_job is not None:
-                        await self._store.unclaim(request.next_job)
-                except Exception:
-                    log.exception("job %s: finish after a hard stop failed; the sweep will "
-                                  "recover it", job.id)
-            raise
-        return request.status, [request.next_job] if request.next_job else []
-
-    async def _completer(self) -> None:
-        """
-        Record finishes in batches: everything queued when the previous statement
-        returned goes into the next one, which also claims a job for each slot.
-
-        Nothing waits to fill a batch — a lone finish goes out at once — so no
-        job is delayed; under load, the finishes that pile up during one round
-        trip share the next.
-        """
-        while True:
-            batch = [await self._finish_recv.receive()]
-            while True:
-                try:
-                    batch.append(self._finish_recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            wanted = 0 if self._stop.is_set() else sum(not r.abandoned for r in batch)
-            statuses, claimed = await self._final(
-                "finish",
-                functools.partial(self._store.finish_many_and_claim,
-                                  [(r.job, r.build_id) for r in batch], wanted),
-            )
-            for request in batch:
-                request.status = statuses.get(request.job.id)
-                if claimed and not request.abandoned:
-                    request.next_job = claimed.pop(0)
-                request.done.set()
-            for extra in claimed:  # a slot went away while we claimed for it
-                with trio.CancelScope(shield=True), \
-                        trio.move_on_after(self.config.cleanup_timeout):
-                    try:
-                        await self._store.unclaim(extra)
-                    except Exception:
-                        log.exception("job %s: could not be given back; the recovery sweep "
-                                      "will", extra.id)
+        return _Finish(job=job, build_id=payload.build_id,
+                       label=f"{payload.kind} {payload.label()}")
 
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
         """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""

@@ -55,9 +55,15 @@ class FakeStore:
         self.finished.append(trio.current_time())
         return JobStatus.DONE
 
-    async def finish_and_claim(self, job: ClaimedJob, build_id: uuid.UUID,
-                               limit: int) -> tuple[JobStatus, list[ClaimedJob]]:
-        return await self.finish_from_build(job, build_id), await self.claim(limit)
+    async def finish_many_and_claim(
+        self, finishing: list[tuple[ClaimedJob, uuid.UUID]], limit: int
+    ) -> tuple[dict[uuid.UUID, JobStatus | None], list[ClaimedJob]]:
+        statuses: dict[uuid.UUID, JobStatus | None] = {
+            job.id: await self.finish_from_build(job, build) for job, build in finishing}
+        return statuses, await self.claim(limit)
+
+    async def unclaim(self, jobs: list[ClaimedJob]) -> int:
+        return len(jobs)
 
     async def fail(self, job: ClaimedJob, message: str, *, own_build_id: Any,
                    terminalize: bool) -> bool:

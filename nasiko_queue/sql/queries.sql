@@ -377,10 +377,17 @@ SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.ol
        c.created_at, c.target_soft_deleted
 FROM claimed AS c;
 
--- name: job_unclaim
--- Give back a job that was claimed but never started (its slot went away): back
--- to pending with the attempt restored, since it never ran.
-UPDATE build_jobs
-SET status = 'pending', picked_at = NULL, attempt = attempt - 1
-WHERE id = $1 AND status = 'in_progress' AND attempt = $2
-RETURNING id;
+-- name: jobs_unclaim
+-- Give back jobs that were claimed but never started (prefetched, or claimed
+-- for a slot that went away): back to pending with the attempt restored, since
+-- they never ran ($1 ids, $2 the attempts the claim gave them). Returns the
+-- rows given back; one the sweep has meanwhile handed on is left alone.
+UPDATE build_jobs AS j
+SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1
+FROM unnest($1::uuid[], $2::int[]) AS b(id, attempt)
+WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
+RETURNING j.id;
+
+-- name: queue_notify
+-- Wake every listening worker (jobs went back to pending outside an enqueue).
+SELECT pg_notify($1, '');
