@@ -25,7 +25,8 @@ from . import ceilings, workloads
 @attrs.frozen(kw_only=True)
 class Sizes:
     drain_jobs: int = 3000
-    drain_concurrency: tuple[int, ...] = (1, 10)
+    #: (concurrency, prefetch) settings of the drain workload; prefetch 0 is the default.
+    drain_settings: tuple[tuple[int, int], ...] = ((1, 0), (10, 0), (1, 32), (10, 100))
     enqueue_jobs: int = 1000
     latency_jobs: int = 200
     latency_rate: float = 100.0
@@ -38,12 +39,20 @@ class Sizes:
 
 
 DEFAULT = Sizes()
-FULL = Sizes(drain_jobs=10_000, drain_concurrency=(1, 2, 5, 10, 20, 50), enqueue_jobs=3000,
+FULL = Sizes(drain_jobs=10_000,
+             drain_settings=((1, 0), (2, 0), (5, 0), (10, 0), (20, 0), (50, 0),
+                             (1, 8), (1, 32), (1, 128), (10, 20), (10, 100), (50, 200)),
+             enqueue_jobs=3000,
              latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
              replica_jobs=10_000, ceiling_jobs=10_000)
-TINY = Sizes(drain_jobs=30, enqueue_jobs=20, latency_jobs=10, latency_rate=200.0,
+TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_jobs=20,
+             latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
              replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30)
+
+
+def _drain_step(concurrency: int, prefetch: int) -> str:
+    return f"drain c={concurrency}" + (f" p={prefetch}" if prefetch else "")
 
 
 def _steps(sizes: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
@@ -64,8 +73,9 @@ def _steps(sizes: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
         ("ceiling b, K=1", ceiling("b1", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 1))),
         ("ceiling b, K=10", ceiling("b10", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 10))),
     ]
-    for c in s.drain_concurrency:
-        steps.append((f"drain c={c}", lambda c=c: workloads.drain(dsn, s.drain_jobs, c)))
+    for c, p in s.drain_settings:
+        steps.append((_drain_step(c, p),
+                      lambda c=c, p=p: workloads.drain(dsn, s.drain_jobs, c, p)))
     steps.append(("enqueue", lambda: workloads.enqueue(dsn, s.enqueue_jobs)))
     steps.append(("latency", lambda: workloads.latency(dsn, s.latency_jobs, s.latency_rate)))
     for h in s.history_rows:
@@ -111,8 +121,8 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
                 "vs_b": value / b}
 
     drain = []
-    for c in s.drain_concurrency:
-        d = raw[f"drain c={c}"]
+    for c, p in s.drain_settings:
+        d = raw[_drain_step(c, p)]
         d["ratios"] = ratios(d["jobs_per_s"], c)
         drain.append(d)
     enq = raw["enqueue"]
@@ -160,8 +170,10 @@ def table(result: dict[str, Any]) -> Table:
     t.add_row("ceiling b", "K=1, 1+1 conns", f"{c['b_k1_jobs_per_s']:,.0f} jobs/s", "")
     t.add_row("ceiling b", "K=10, 1+10 conns", f"{c['b_k10_jobs_per_s']:,.0f} jobs/s", "")
     for d in result["drain"]:
-        t.add_row("drain", f"concurrency {d['concurrency']}", f"{d['jobs_per_s']:,.0f} jobs/s",
-                  _r(d["ratios"]))
+        setting = f"concurrency {d['concurrency']}"
+        if d.get("prefetch"):
+            setting += f", prefetch {d['prefetch']}"
+        t.add_row("drain", setting, f"{d['jobs_per_s']:,.0f} jobs/s", _r(d["ratios"]))
     e = result["enqueue"]
     t.add_row("enqueue", "1 job per call", f"{e['single_jobs_per_s']:,.0f} jobs/s",
               _r(e["ratios_single"]))
@@ -207,7 +219,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
               c["b_k10_jobs_per_s"]]
     colors = ["grey"] * 4
     for d in result["drain"]:
-        labels.append(f"drain c{d['concurrency']}")
+        labels.append(f"drain c{d['concurrency']}"
+                      + (f" p{d['prefetch']}" if d.get("prefetch") else ""))
         values.append(d["jobs_per_s"])
         colors.append("tab:blue")
     for r in result["replicas"]:

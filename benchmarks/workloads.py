@@ -128,14 +128,15 @@ def _bench_config(**kw: Any) -> QueueConfig:
 # -- 1. drain -----------------------------------------------------------------
 
 
-def drain(dsn: str, n_jobs: int, concurrency: int) -> dict[str, Any]:
+def drain(dsn: str, n_jobs: int, concurrency: int, prefetch: int = 0) -> dict[str, Any]:
     """One in-process worker drains `n_jobs` prepared jobs; jobs/s."""
     reset(dsn)
     prepare_jobs(dsn, n_jobs)
 
     async def main() -> float:
         async with open_database(dsn) as db:
-            queue = Queue(db, config=_bench_config(concurrency=concurrency))
+            queue = Queue(db, config=_bench_config(concurrency=concurrency,
+                                                    prefetch=prefetch))
             worker = Worker(queue, _noop_executors())
             async with trio.open_nursery() as nursery:
                 t0 = time.perf_counter()
@@ -147,7 +148,8 @@ def drain(dsn: str, n_jobs: int, concurrency: int) -> dict[str, Any]:
                 raise RuntimeError(f"drain: {worker.stats.failed} jobs failed")
             return n_jobs / elapsed
 
-    return {"concurrency": concurrency, "jobs": n_jobs, "jobs_per_s": trio.run(main)}
+    return {"concurrency": concurrency, "prefetch": prefetch, "jobs": n_jobs,
+            "jobs_per_s": trio.run(main)}
 
 
 # -- 2. enqueue ---------------------------------------------------------------

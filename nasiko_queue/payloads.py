@@ -13,6 +13,7 @@ turns payloads into JSON-ready dicts and back, and that seals and opens secret f
 """
 
 import abc
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -545,10 +546,12 @@ def _field_message(problem: str) -> str:
     return f"field '{path}': {message}" if path else message
 
 
+@functools.cache  # a class's fields never change; decoding asks once per job
 def _attrs_fields(cls: type) -> tuple["attrs.Attribute[Any]", ...]:
     return tuple(attrs.fields(cls))
 
 
+@functools.cache
 def _sealed_fields(cls: type) -> tuple["attrs.Attribute[Any]", ...]:
     return tuple(f for f in _attrs_fields(cls) if f.metadata.get(SEALED))
 

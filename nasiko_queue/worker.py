@@ -219,8 +219,11 @@ class Worker:
             await self._changed.wait()
 
     def _idle(self) -> bool:
+        """Nothing in hand and nothing about to start: no drain running or asked for."""
         stats = self.stats
-        return stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
+        return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
+                and not self._draining
+                and self._wake_recv.statistics().current_buffer_used == 0)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -466,9 +469,10 @@ class Worker:
         slot runs dry, or we would claim the same jobs straight back.
         """
         if expired:
-            cutoff = trio.current_time() - self.config.prefetch_ttl
+            # The same comparison as the fetcher's, so at least one job goes.
+            now, ttl = trio.current_time(), self.config.prefetch_ttl
             jobs = []
-            while self._buffer and self._buffer[0][1] <= cutoff:
+            while self._buffer and self._buffer[0][1] + ttl <= now:
                 jobs.append(self._buffer.popleft()[0])
             self._prefetch_paused = True
         else:

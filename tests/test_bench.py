@@ -26,7 +26,8 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
     assert set(data) >= {"meta", "ceilings", "drain", "enqueue", "latency", "history",
                          "replicas"}
     assert all(v > 0 for v in data["ceilings"].values())
-    assert [d["concurrency"] for d in data["drain"]] == list(runner.TINY.drain_concurrency)
+    assert [(d["concurrency"], d["prefetch"]) for d in data["drain"]] == list(
+        runner.TINY.drain_settings)
     assert all(d["jobs_per_s"] > 0 and d["ratios"]["vs_a8"] > 0 for d in data["drain"])
     assert data["enqueue"]["single_jobs_per_s"] > 0
     assert data["enqueue"]["batch_jobs_per_s"] > 0

@@ -17,10 +17,21 @@ async def test_engine_matches_the_model(dsn: str) -> None:
 
 class ConcurrentMachine(QueueStateMachine):
     """Issue #5's options switched on: three executors per worker (batched claims,
-    finish-and-claim per slot) and LISTEN/NOTIFY wakes."""
+    batched finishes), two jobs prefetched, and LISTEN/NOTIFY wakes."""
 
-    config = attrs.evolve(HARNESS_CONFIG, concurrency=3, listen=True)
+    config = attrs.evolve(HARNESS_CONFIG, concurrency=3, prefetch=2, listen=True)
 
 
 async def test_engine_matches_the_model_with_three_executors_per_worker(dsn: str) -> None:
     await run_queue_state_machine(dsn, ConcurrentMachine)
+
+
+class PrefetchMachine(QueueStateMachine):
+    """One executor with three jobs prefetched: hangs and graceful stops mid-run
+    stay in, so every stop gives back a buffer the model says was never claimed."""
+
+    config = attrs.evolve(HARNESS_CONFIG, prefetch=3, listen=True)
+
+
+async def test_engine_matches_the_model_with_prefetch(dsn: str) -> None:
+    await run_queue_state_machine(dsn, PrefetchMachine)

@@ -30,6 +30,7 @@ class FakeStore:
         self.claims: list[float] = []
         self.recoveries: list[float] = []
         self.finished: list[float] = []
+        self.unclaims: list[float] = []
         self.recover_takes = recover_takes
         self.recover_fails = recover_fails
 
@@ -63,6 +64,8 @@ class FakeStore:
         return statuses, await self.claim(limit)
 
     async def unclaim(self, jobs: list[ClaimedJob]) -> int:
+        self.unclaims.append(trio.current_time())
+        self.pending[:0] = [job.payload for job in jobs]
         return len(jobs)
 
     async def fail(self, job: ClaimedJob, message: str, *, own_build_id: Any,
@@ -252,3 +255,27 @@ async def test_stop_during_startup_recovery_returns(
         worker.stop()
     assert trio.current_time() == 30.0
     assert store.claims == []
+
+
+async def test_prefetched_jobs_go_back_at_the_ttl_and_prefetch_resumes_when_a_slot_runs_dry(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One slot, two prefetched, one-second jobs, a 0.5 s TTL: the two go back
+    at 0.5 s (not at 0.4, not at 1.0); nothing is claimed again until the slot
+    frees at 1 s, and then the buffer fills again."""
+    store = FakeStore()
+    for _ in range(3):
+        store.add()
+    worker = _worker(store, prefetch=2, prefetch_ttl=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await trio.sleep(0.4)
+        assert (store.unclaims, worker.stats.buffered) == ([], 2)
+        await trio.sleep(0.2)
+        assert (store.unclaims, worker.stats.buffered) == ([0.5], 0)
+        assert store.claims == [0.0]
+        await trio.sleep(3)
+        assert store.claims[:2] == [0.0, 1.0]  # with the first finish, a claim for 3
+        assert store.finished == [1.0, 2.0, 3.0]
+        assert store.unclaims == [0.5, 1.5]  # the refill waited past the TTL again
+        nursery.cancel_scope.cancel()

@@ -323,6 +323,12 @@ class QueueStateMachine(RuleBasedStateMachine):
             # worker, cancelling its other jobs too) has no single right answer
             # for the model; there the executor crashes instead.
             plan = [Outcome.RAISE if o is Outcome.HANG else o for o in plan]
+        elif self.config.prefetch:
+            # With prefetch, a crashed job's retry runs behind the jobs already
+            # in the buffer, at a point that depends on timing; the model runs it
+            # at once. Failing instead keeps the order (and so which jobs a hang
+            # or a stop cuts off) exact; the concurrent machine covers crashes.
+            plan = [Outcome.FAIL if o is Outcome.RAISE else o for o in plan]
         self._call(self._enqueue, kind, prior_success, tuple(plan), stored_attempt)
 
     async def _enqueue(self, kind: str, prior_success: bool, plan: tuple[Outcome, ...],
