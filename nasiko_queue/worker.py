@@ -112,8 +112,11 @@ class _Finish:
     """A slot's executor returned: the fetcher records the outcome from the build row."""
 
     job: ClaimedJob
-    build_id: UUID
-    label: str
+    payload: Payload
+
+    @property
+    def build_id(self) -> UUID:
+        return self.payload.build_id
 
 
 class Worker:
@@ -172,6 +175,7 @@ class Worker:
         # Graceful or hard stop under way: slots take nothing more from the buffer.
         self._closing = False
         self._slots_alive = 0
+        self._woken = False
         self._stop = trio.Event()
         self._started = False
         self._changed = trio.Event()
@@ -181,6 +185,9 @@ class Worker:
 
     def wake(self) -> None:
         """Ask for a drain. Never blocks: a wake that does not fit is dropped."""
+        # Until the drain loop takes it: a wake handed straight to the waiting
+        # loop never shows in the channel's buffer, and `drain_once` must see it.
+        self._woken = True
         with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError,
                                  trio.BrokenResourceError):
             self._wake_send.send_nowait(None)
@@ -222,8 +229,7 @@ class Worker:
         """Nothing in hand and nothing about to start: no drain running or asked for."""
         stats = self.stats
         return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
-                and not self._draining
-                and self._wake_recv.statistics().current_buffer_used == 0)
+                and not self._draining and not self._woken)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -306,6 +312,7 @@ class Worker:
                     return
             if self._stop.is_set():
                 return
+            self._woken = False  # the drain below answers every wake so far
 
     async def _drain(self) -> None:
         """Have the fetcher claim until a claim comes back short (or fails)."""
@@ -426,13 +433,16 @@ class Worker:
                               [(f.job, f.build_id) for f in batch], want),
         )
         self._accept(claimed, want, drain)
+        verbose = log.isEnabledFor(logging.INFO)
         for finish in batch:
             status = statuses.get(finish.job.id)
             if status == "done":
                 self.stats.done += 1
             elif status is not None:
                 self.stats.failed += 1
-            log.info("job %s (%s): %s", finish.job.id, finish.label, status or "gone")
+            if verbose:
+                log.info("job %s (%s %s): %s", finish.job.id, finish.payload.kind,
+                         finish.payload.label(), status or "gone")
         self.stats.finishing -= len(batch)
         self._notify()
 
@@ -566,8 +576,9 @@ class Worker:
             target=Target(agent_id=job.agent_id, connector_id=job.connector_id),
             db=self.queue.db,
         )
-        log.info("job %s (%s %s): attempt %d starting", job.id, payload.kind, payload.label(),
-                 job.attempt)
+        if log.isEnabledFor(logging.INFO):
+            log.info("job %s (%s %s): attempt %d starting", job.id, payload.kind,
+                     payload.label(), job.attempt)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(executor, ctx)
@@ -581,8 +592,7 @@ class Worker:
             # Cancelled: a hard stop. The job never finished; hand it back now.
             await self._release(job)
             raise
-        return _Finish(job=job, build_id=payload.build_id,
-                       label=f"{payload.kind} {payload.label()}")
+        return _Finish(job=job, payload=payload)
 
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
         """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""

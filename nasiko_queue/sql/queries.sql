@@ -16,7 +16,12 @@ RETURNING id;
 -- whose kind no payload type knows ($3 = every known kind; those fail as
 -- invalid). Returns the attempt from before the increment, and whether the
 -- target agent is soft-deleted, so that no second round trip is needed.
-WITH next AS (
+UPDATE build_jobs AS j
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
+-- The ids as an array, not a join: every plan of this statement, generic ones
+-- included (where the planner guesses LIMIT $1 at a tenth of the table), then
+-- fetches the claimed rows by primary key instead of hashing a scan of the table.
+WHERE j.id = ANY (ARRAY(
     SELECT id
     FROM build_jobs
     WHERE status = 'pending'
@@ -24,16 +29,13 @@ WITH next AS (
            OR NOT coalesce(payload ->> 'kind' = ANY ($3::text[]), false))
     ORDER BY created_at
     LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE build_jobs AS j
-SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
-FROM next
-WHERE j.id = next.id
+    FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
           j.attempt - 1 AS old_attempt, j.created_at,
-          EXISTS (SELECT 1 FROM agents AS a
-                  WHERE a.id = j.agent_id AND a.deleted_at IS NOT NULL) AS target_soft_deleted;
+          -- A scalar subquery, so one primary-key probe per claimed row: the
+          -- EXISTS form was planned as a hashed subplan scanning every agent.
+          coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
+                   false) AS target_soft_deleted;
 
 -- name: job_finish_from_build
 -- The executor returned: read its build row ($3: the connector table or the
@@ -323,9 +325,9 @@ USING old
 WHERE j.id = old.id;
 
 -- name: jobs_finish_many_and_claim
--- Finish jobs and claim their slots' next ones in one round trip: a batch of
--- one when a worker runs one job at a time, the completer's batch otherwise.
--- Finish every job of the batch
+-- Finish jobs and claim what their slots (and the prefetch buffer) have room
+-- for, in one round trip: the worker's fetcher sends it with every finish queued
+-- since its previous statement. Finish every job of the batch
 -- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
 -- claim up to $6 next jobs ($7, $8 as in job_claim), in one round trip. Rows
 -- with finished_id set report a finish (finished_status NULL: gone or no
@@ -348,24 +350,22 @@ WITH input AS (
     FROM outcome AS o
     WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt
     RETURNING j.id, j.status
-), next AS (
-    SELECT id
-    FROM build_jobs
-    WHERE status = 'pending'
-      AND (payload ->> 'kind' = ANY ($7::text[])
-           OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
-    ORDER BY created_at
-    LIMIT $6
-    FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE build_jobs AS j
     SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
-    FROM next
-    WHERE j.id = next.id
+    WHERE j.id = ANY (ARRAY(  -- as in job_claim
+        SELECT id
+        FROM build_jobs
+        WHERE status = 'pending'
+          AND (payload ->> 'kind' = ANY ($7::text[])
+               OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
+        ORDER BY created_at
+        LIMIT $6
+        FOR UPDATE SKIP LOCKED))
     RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
               j.attempt - 1 AS old_attempt, j.created_at,
-              EXISTS (SELECT 1 FROM agents AS a
-                      WHERE a.id = j.agent_id AND a.deleted_at IS NOT NULL) AS target_soft_deleted
+              coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a
+                        WHERE a.id = j.agent_id), false) AS target_soft_deleted
 )
 SELECT i.id AS finished_id, f.status AS finished_status,
        NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
