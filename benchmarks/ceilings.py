@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 
 from nasiko_queue._sql import Q
+from nasiko_queue.database import ENGINE_SERVER_SETTINGS
 from nasiko_queue.jobs import BUILD_FAILED
 from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
 
@@ -70,7 +71,8 @@ def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
     known = sorted(t.kind for t in BUILTIN_PAYLOAD_TYPES)
 
     async def main() -> float:
-        conn = await asyncpg.connect(dsn)
+        # The engine runs these statements with generic plans kept; so does this.
+        conn = await asyncpg.connect(dsn, server_settings=ENGINE_SERVER_SETTINGS)
         try:
             done = 0
             t0 = time.perf_counter()

@@ -133,7 +133,7 @@ def drain(dsn: str, n_jobs: int, concurrency: int, prefetch: int = 0) -> dict[st
     reset(dsn)
     prepare_jobs(dsn, n_jobs)
 
-    async def main() -> float:
+    async def main() -> tuple[float, int]:
         async with open_database(dsn) as db:
             queue = Queue(db, config=_bench_config(concurrency=concurrency,
                                                     prefetch=prefetch))
@@ -146,10 +146,11 @@ def drain(dsn: str, n_jobs: int, concurrency: int, prefetch: int = 0) -> dict[st
                 worker.stop()
             if worker.stats.failed:
                 raise RuntimeError(f"drain: {worker.stats.failed} jobs failed")
-            return n_jobs / elapsed
+            return n_jobs / elapsed, worker.stats.statements
 
+    jobs_per_s, statements = trio.run(main)
     return {"concurrency": concurrency, "prefetch": prefetch, "jobs": n_jobs,
-            "jobs_per_s": trio.run(main)}
+            "jobs_per_s": jobs_per_s, "statements_per_job": statements / n_jobs}
 
 
 # -- 2. enqueue ---------------------------------------------------------------

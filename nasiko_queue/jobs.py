@@ -141,7 +141,7 @@ class PgJobStore:
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         """Claim up to `limit` pending jobs, oldest first (FOR UPDATE SKIP LOCKED)."""
-        rows = await self._db.fetch(Q.job_claim, limit, self._runnable, self._known)
+        rows = await self._db.fetch_generic(Q.job_claim, limit, self._runnable, self._known)
         jobs = [ClaimedJob(**dict(row)) for row in rows]
         jobs.sort(key=lambda j: j.created_at)
         return jobs
@@ -177,7 +177,7 @@ class PgJobStore:
         for, so the claim's SQL lives in two statements, not three. Returns each
         job's status (None: gone or no longer ours) and the claims.
         """
-        rows = await self._db.fetch(
+        rows = await self._db.fetch_generic(
             Q.jobs_finish_many_and_claim,
             [j.id for j, _ in finishing],
             [j.attempt for j, _ in finishing],
@@ -208,7 +208,7 @@ class PgJobStore:
         """
         if not jobs:
             return 0
-        rows = await self._db.fetch(Q.jobs_unclaim, [j.id for j in jobs],
+        rows = await self._db.fetch_generic(Q.jobs_unclaim, [j.id for j in jobs],
                                     [j.attempt for j in jobs])
         if rows and self._config.notify_channel is not None:
             await self._db.execute(Q.queue_notify, self._config.notify_channel)

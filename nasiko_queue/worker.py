@@ -93,6 +93,9 @@ class WorkerStats:
     returned: int = 0
     recoveries: int = 0
     claim_errors: int = 0
+    #: Statements the fetcher sent (claims, and finish batches with their claim):
+    #: divided by `done + failed`, the round trips per job.
+    statements: int = 0
     #: Jobs in a slot now (executor running, or the job being checked or failed).
     running: int = 0
     #: Claimed jobs waiting in the local buffer for a slot.
@@ -427,6 +430,7 @@ class Worker:
         batch, self._finishes = self._finishes, []
         want = self._room() if claim else 0
         drain = self.stats.drains_started
+        self.stats.statements += 1
         statuses, claimed = await self._final(
             "finish",
             functools.partial(self._store.finish_many_and_claim,
@@ -449,6 +453,7 @@ class Worker:
     async def _claim_for_drain(self) -> None:
         want = self._room()
         drain = self.stats.drains_started
+        self.stats.statements += 1
         claimed = await self._claim(want)
         if claimed is None:
             self._end_drain()  # logged; the next wake or poll tries again

@@ -125,3 +125,55 @@ async def test_connection_terminated_by_the_server(dsn: str, queue: Queue) -> No
         await worker.drain_once()
     for j in (job, second):
         assert (await job_row(queue.db, j.job_id) or {})["status"] == "done"
+
+
+async def test_queue_statements_keep_generic_plans_and_application_sql_does_not(
+    queue: Queue,
+) -> None:
+    db = queue.db
+    assert [r[0] for r in await db.fetch_generic("SHOW plan_cache_mode")] == [
+        "force_generic_plan"]
+    assert await db.fetchval("SHOW plan_cache_mode") == "auto"
+
+
+@pytest.mark.parametrize("name", ["job_claim", "jobs_finish_many_and_claim", "jobs_unclaim"])
+async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
+    queue: Queue, name: str
+) -> None:
+    """The statements `fetch_generic` runs, planned as it plans them (generic),
+    with a backlog of 3,000 pending jobs and as many finished: rows are found by
+    primary key or the partial index, never by a sequential scan of build_jobs
+    (the claim's first form, a join, hashed one: its generic plan guesses
+    LIMIT $1 at a tenth of the backlog)."""
+    from nasiko_queue._sql import Q
+
+    agent = (await enqueue_with_target(queue, "Upload")).target_id
+    await queue.db.execute(
+        "INSERT INTO build_jobs (agent_id, owner_id, status, payload, completed_at) "
+        "SELECT $1, gen_random_uuid(), CASE WHEN g % 2 = 0 THEN 'done' ELSE 'pending' END,"
+        " '{\"kind\": \"Upload\"}', CASE WHEN g % 2 = 0 THEN now() END "
+        "FROM generate_series(1, 6000) AS g", agent)
+    await queue.db.execute("ANALYZE build_jobs")
+    kinds = "'{Upload}'::text[]"
+    ids = "ARRAY[gen_random_uuid()]"
+    calls = {
+        "job_claim": ("int, text[], text[]", f"10, {kinds}, {kinds}"),
+        "jobs_finish_many_and_claim": (
+            "uuid[], int[], boolean[], uuid[], text, int, text[], text[]",
+            f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}"),
+        "jobs_unclaim": ("uuid[], int[]", f"{ids}, ARRAY[1]"),
+    }
+    types, args = calls[name]
+
+    async def explain(conn: Any) -> list[str]:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(f"PREPARE nq_plan_check({types}) AS {getattr(Q, name)}")
+            try:
+                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
+            finally:
+                await conn.execute("DEALLOCATE nq_plan_check")
+
+    plan = "\n".join(await queue.db.run(explain))
+    assert "build_jobs" in plan
+    assert "Seq Scan on build_jobs" not in plan, plan
