@@ -3,9 +3,9 @@ Ceilings: bare asyncpg on plain asyncio (``asyncio.run``, no trio), no engine.
 
 (a) one job per transaction: claim one job (its own commit), mark it done (its
     own commit), with 1 and with 8 connections;
-(b) the engine's own statements (`Q.job_claim` with a limit, then
-    `Q.job_finish_from_build` per job) with the engine's batching: claim K = free
-    slots at once, finish each job on a connection of its own.
+(b) the engine's own statements with the engine's batching: `Q.job_claim` with
+    a limit K, then rounds of `Q.jobs_finish_many_and_claim` that finish K jobs
+    and claim K more, on one connection with the engine's session settings.
 """
 
 from __future__ import annotations
