@@ -75,6 +75,9 @@ log = logging.getLogger("nasiko_queue.worker")
 
 T = TypeVar("T")
 
+#: Statements the fetcher keeps in flight at once (see `Worker._fetcher`).
+_STATEMENTS_IN_FLIGHT = 2
+
 
 @attrs.define
 class WorkerStats:
@@ -179,6 +182,9 @@ class Worker:
         self._closing = False
         self._slots_alive = 0
         self._woken = False
+        # Statements of the fetcher in flight, and the jobs their claims may take.
+        self._in_flight = 0
+        self._reserved = 0
         self._stop = trio.Event()
         self._started = False
         self._changed = trio.Event()
@@ -338,7 +344,7 @@ class Worker:
         capacity = self.config.concurrency
         if not self._prefetch_paused:
             capacity += self.config.prefetch
-        return max(0, capacity - len(self._buffer) - self.stats.running)
+        return max(0, capacity - len(self._buffer) - self.stats.running - self._reserved)
 
     # -- the slots ------------------------------------------------------------
 
@@ -394,72 +400,109 @@ class Worker:
         The one task that claims for this worker, records its finishes, and
         gives back jobs that never started.
 
-        Each pass sends one statement: every finish queued since the last one
-        plus a claim for the room they freed (`finish_many_and_claim`); or, in
-        a drain with no finish waiting, a plain claim. Nothing waits to fill a
-        batch, so no outcome is delayed by more than the statement before it;
-        under load, the finishes that pile up during one round trip share the
-        next. On a stop it records the outcomes of the last running jobs and
-        gives back the buffer; on a hard stop it does so shielded and bounded.
+        A statement records every finish queued since the last one and claims
+        for the room they freed (`finish_many_and_claim`); in a drain with no
+        finish waiting, a plain claim fills the room. Nothing waits to fill a
+        batch, so no outcome is delayed by more than a statement in flight.
+
+        Two statements may be in flight at once, each claiming at most half of
+        the slots and buffer, so that half the slots run their jobs while the
+        other half's next jobs are claimed: the worker's CPU and the server's
+        then work at the same time instead of taking turns. (Claims never
+        exceed the room: jobs a statement in flight may claim count as taken.)
+
+        On a stop it records the outcomes of the last running jobs and gives
+        back the buffer; on a hard stop it does so shielded and bounded.
         """
         try:
-            await self._fetch_until_closed()
+            async with trio.open_nursery() as statements:
+                await self._fetch_until_closed(statements)
         finally:
             with trio.CancelScope(shield=True), \
                     trio.move_on_after(2 * self.config.cleanup_timeout):
                 await self._wind_down()
 
-    async def _fetch_until_closed(self) -> None:
+    async def _fetch_until_closed(self, statements: trio.Nursery) -> None:
         ttl = self.config.prefetch_ttl
+        # One slot: one statement at a time, so jobs start in the order claimed
+        # (the buffer already overlaps the slot's work with the statement).
+        in_flight = 1 if self.config.concurrency == 1 else _STATEMENTS_IN_FLIGHT
         while True:
-            if self._buffer and (self._closing or self._buffer[0][1] + ttl <= trio.current_time()):
+            free = self._in_flight < in_flight
+            expired = self._buffer and self._oldest_claim() + ttl <= trio.current_time()
+            if self._buffer and (self._closing or expired):
                 await self._give_back(expired=not self._closing)
-            elif self._finishes:
-                await self._record_finishes(claim=True)
-            elif self._draining and self._room():
-                await self._claim_for_drain()
-            elif self._closing and not self._slots_alive:
+            elif self._finishes and free:
+                batch, self._finishes = self._finishes, []
+                want = self._claim_size()
+                statements.start_soon(self._send_finishes, batch, want, self._begin(want))
+            elif self._draining and free and self._claim_size():
+                want = self._claim_size()
+                statements.start_soon(self._send_claim, want, self._begin(want))
+            elif self._closing and not self._slots_alive and not self._in_flight:
                 return
             else:
-                deadline = self._buffer[0][1] + ttl if self._buffer else math.inf
+                deadline = self._oldest_claim() + ttl if self._buffer else math.inf
                 with trio.move_on_at(deadline):
                     await self._kicked.wait()
                 self._kicked = trio.Event()
 
-    async def _record_finishes(self, *, claim: bool) -> None:
-        batch, self._finishes = self._finishes, []
-        want = self._room() if claim else 0
-        drain = self.stats.drains_started
-        self.stats.statements += 1
-        statuses, claimed = await self._final(
-            "finish",
-            functools.partial(self._store.finish_many_and_claim,
-                              [(f.job, f.build_id) for f in batch], want),
-        )
-        self._accept(claimed, want, drain)
-        verbose = log.isEnabledFor(logging.INFO)
-        for finish in batch:
-            status = statuses.get(finish.job.id)
-            if status == "done":
-                self.stats.done += 1
-            elif status is not None:
-                self.stats.failed += 1
-            if verbose:
-                log.info("job %s (%s %s): %s", finish.job.id, finish.payload.kind,
-                         finish.payload.label(), status or "gone")
-        self.stats.finishing -= len(batch)
-        self._notify()
+    def _oldest_claim(self) -> float:
+        return min(claimed_at for _job, claimed_at in self._buffer)
 
-    async def _claim_for_drain(self) -> None:
-        want = self._room()
-        drain = self.stats.drains_started
+    def _claim_size(self) -> int:
+        """The next statement's claim: the room left; with several slots, at most
+        half the capacity, so that two statements in flight stagger the slots."""
+        if self.config.concurrency == 1:
+            return self._room()
+        capacity = self.config.concurrency + self.config.prefetch
+        return min(self._room(), -(-capacity // 2))
+
+    def _begin(self, want: int) -> int:
+        """Book a statement in flight and the room its claim may take; the drain it is in."""
+        self._in_flight += 1
+        self._reserved += want
         self.stats.statements += 1
-        claimed = await self._claim(want)
-        if claimed is None:
-            self._end_drain()  # logged; the next wake or poll tries again
-        else:
+        return self.stats.drains_started
+
+    def _done(self, want: int) -> None:
+        self._in_flight -= 1
+        self._reserved -= want
+        self._kick()
+
+    async def _send_finishes(self, batch: list[_Finish], want: int, drain: int) -> None:
+        try:
+            statuses, claimed = await self._final(
+                "finish",
+                functools.partial(self._store.finish_many_and_claim,
+                                  [(f.job, f.build_id) for f in batch], want),
+            )
             self._accept(claimed, want, drain)
-        self._notify()
+            verbose = log.isEnabledFor(logging.INFO)
+            for finish in batch:
+                status = statuses.get(finish.job.id)
+                if status == "done":
+                    self.stats.done += 1
+                elif status is not None:
+                    self.stats.failed += 1
+                if verbose:
+                    log.info("job %s (%s %s): %s", finish.job.id, finish.payload.kind,
+                             finish.payload.label(), status or "gone")
+            self.stats.finishing -= len(batch)
+        finally:
+            self._done(want)
+            self._notify()
+
+    async def _send_claim(self, want: int, drain: int) -> None:
+        try:
+            claimed = await self._claim(want)
+            if claimed is None:
+                self._end_drain()  # logged; the next wake or poll tries again
+            else:
+                self._accept(claimed, want, drain)
+        finally:
+            self._done(want)
+            self._notify()
 
     def _accept(self, claimed: list[ClaimedJob], wanted: int, drain: int) -> None:
         """
@@ -472,7 +515,13 @@ class Worker:
         if not claimed:
             return
         now = trio.current_time()
-        self._buffer.extend((job, now) for job in claimed)
+        if self._buffer and claimed[0].created_at < self._buffer[-1][0].created_at:
+            # Two statements in flight returned out of order: oldest job first still.
+            merged = sorted([*self._buffer, *((job, now) for job in claimed)],
+                            key=lambda entry: entry[0].created_at)
+            self._buffer = collections.deque(merged)
+        else:
+            self._buffer.extend((job, now) for job in claimed)
         self.stats.buffered += len(claimed)
         self.stats.claimed += len(claimed)
         self._job_ready.unpark(count=len(claimed))
@@ -486,9 +535,9 @@ class Worker:
         if expired:
             # The same comparison as the fetcher's, so at least one job goes.
             now, ttl = trio.current_time(), self.config.prefetch_ttl
-            jobs = []
-            while self._buffer and self._buffer[0][1] + ttl <= now:
-                jobs.append(self._buffer.popleft()[0])
+            jobs = [job for job, claimed_at in self._buffer if claimed_at + ttl <= now]
+            self._buffer = collections.deque(
+                entry for entry in self._buffer if entry[1] + ttl > now)
             self._prefetch_paused = True
         else:
             jobs = [job for job, _ in self._buffer]
@@ -514,8 +563,9 @@ class Worker:
             if self._buffer:
                 await self._give_back(expired=False)
             elif self._finishes:
+                batch, self._finishes = self._finishes, []
                 try:
-                    await self._record_finishes(claim=False)
+                    await self._send_finishes(batch, 0, self._begin(0))
                 except Exception:  # _final retries outages; this is the cancelled case
                     log.exception("the last finishes could not be recorded; the recovery "
                                   "sweep will")

@@ -33,6 +33,14 @@ class FakeStore:
         self.unclaims: list[float] = []
         self.recover_takes = recover_takes
         self.recover_fails = recover_fails
+        #: Seconds claim statements take, in turn (none: they answer at once).
+        self.statement_takes: list[float] = []
+        self.limits: list[int] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        #: Jobs claimed and not yet finished, and the most there ever were.
+        self.outstanding = 0
+        self.most_outstanding = 0
 
     def add(self) -> None:
         owner = uuid.uuid4()
@@ -44,7 +52,16 @@ class FakeStore:
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         self.claims.append(trio.current_time())
+        self.limits.append(limit)
+        if self.statement_takes:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            takes = self.statement_takes[len(self.limits) % len(self.statement_takes)]
+            await trio.sleep(takes)
+            self.in_flight -= 1
         taken, self.pending = self.pending[:limit], self.pending[limit:]
+        self.outstanding += len(taken)
+        self.most_outstanding = max(self.most_outstanding, self.outstanding)
         return [
             ClaimedJob(id=uuid.uuid4(), agent_id=uuid.uuid4(), connector_id=None,
                        owner_id=uuid.uuid4(), payload=p, old_attempt=0,
@@ -54,6 +71,7 @@ class FakeStore:
 
     async def finish_from_build(self, job: ClaimedJob, build_id: uuid.UUID) -> JobStatus:
         self.finished.append(trio.current_time())
+        self.outstanding -= 1
         return JobStatus.DONE
 
     async def finish_many_and_claim(
@@ -66,6 +84,7 @@ class FakeStore:
     async def unclaim(self, jobs: list[ClaimedJob]) -> int:
         self.unclaims.append(trio.current_time())
         self.pending[:0] = [job.payload for job in jobs]
+        self.outstanding -= len(jobs)
         return len(jobs)
 
     async def fail(self, job: ClaimedJob, message: str, *, own_build_id: Any,
@@ -279,3 +298,45 @@ async def test_prefetched_jobs_go_back_at_the_ttl_and_prefetch_resumes_when_a_sl
         assert store.finished == [1.0, 2.0, 3.0]
         assert store.unclaims == [0.5, 1.5]  # the refill waited past the TTL again
         nursery.cancel_scope.cancel()
+
+
+async def test_several_slots_keep_two_statements_in_flight_each_claiming_half(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Four slots, one-second jobs, statements of 0.1 s and 0.3 s in turn (so the
+    two halves drift apart): two statements are in flight at once, each claims
+    at most half the slots, and the claims in flight never add up to more than
+    the free slots."""
+    store = FakeStore()
+    store.statement_takes = [0.1, 0.3]
+    for _ in range(12):
+        store.add()
+    worker = _worker(store, concurrency=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await worker.wait_for(lambda s: s.done == 12)
+        nursery.cancel_scope.cancel()
+    assert store.most_in_flight == 2
+    assert max(store.limits) == 2
+    assert store.limits[:2] == [2, 2]  # the drain's first two claims, at once
+    assert store.claims[:2] == [0.0, 0.0]
+    assert worker.stats.claimed == 12
+    assert store.most_outstanding == 4  # never more jobs in hand than slots
+
+
+async def test_one_slot_keeps_one_statement_in_flight(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One slot with prefetch: one statement at a time, so jobs start in the order
+    they were claimed."""
+    store = FakeStore()
+    store.statement_takes = [0.25]
+    for _ in range(6):
+        store.add()
+    worker = _worker(store, prefetch=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await worker.wait_for(lambda s: s.done == 6)
+        nursery.cancel_scope.cancel()
+    assert store.most_in_flight == 1
+    assert store.limits[0] == 4
