@@ -154,10 +154,10 @@ class CountingBatches(PgJobStore):
         return await super().finish_many_and_claim(finishing, limit)
 
 
-async def test_several_slots_finish_through_one_completer(queue: Queue) -> None:
-    """With concurrency 5, every finish goes through the completer, which records
-    all the finishes queued at that moment in one statement and claims each slot
-    its next job; every job still ends done exactly once."""
+async def test_several_slots_finish_through_the_fetcher(queue: Queue) -> None:
+    """With concurrency 5, every finish goes through the fetcher, which records
+    all the finishes queued at that moment in one statement and claims the
+    slots their next jobs; every job still ends done exactly once."""
     import attrs
 
     from nasiko_queue import Worker
