@@ -5,7 +5,10 @@ Ceilings: bare asyncpg on plain asyncio (``asyncio.run``, no trio), no engine.
     own commit), with 1 and with 8 connections;
 (b) the engine's own statements with the engine's batching: `Q.job_claim` with
     a limit K, then rounds of `Q.jobs_finish_many_and_claim` that finish K jobs
-    and claim K more, on one connection with the engine's session settings.
+    and claim K more, with as many statements in flight as the worker keeps, on
+    connections with the engine's session settings. The runner measures it for
+    each drain setting with the K and the statements in flight that setting
+    reached.
 """
 
 from __future__ import annotations
@@ -59,35 +62,42 @@ def one_per_transaction(dsn: str, n_jobs: int, connections: int) -> float:
     return _run(main())
 
 
-def same_sql(dsn: str, n_jobs: int, batch: int) -> float:
+def same_sql(dsn: str, n_jobs: int, batch: int, streams: int = 1) -> float:
     """
     Ceiling (b): jobs/s with the engine's own statements and batching, no engine.
 
-    As the worker does: one claim of up to `batch` jobs (one per executor slot),
-    then one statement per round that finishes every job of the round and
-    claims the next (`jobs_finish_many_and_claim`; a round of one at K=1).
+    As the worker's fetcher does: `streams` statements in flight at once (one
+    connection each; the worker keeps two with several slots), each stream
+    claiming up to `batch` jobs, then sending rounds that finish every job of its
+    last claim and claim the next `batch` (`jobs_finish_many_and_claim`).
     """
     kinds = ["Upload"]
     known = sorted(t.kind for t in BUILTIN_PAYLOAD_TYPES)
 
+    async def stream(conn: asyncpg.Connection) -> int:
+        done = 0
+        rows = list(await conn.fetch(Q.job_claim, batch, kinds, known))
+        while rows:
+            done += len(rows)
+            got = await conn.fetch(
+                Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
+                [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
+                [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
+                kinds, known)
+            rows = [r for r in got if r["id"] is not None]
+        return done
+
     async def main() -> float:
         # The engine runs these statements with generic plans kept; so does this.
-        conn = await asyncpg.connect(dsn, server_settings=ENGINE_SERVER_SETTINGS)
+        conns = [await asyncpg.connect(dsn, server_settings=ENGINE_SERVER_SETTINGS)
+                 for _ in range(streams)]
         try:
-            done = 0
             t0 = time.perf_counter()
-            rows = list(await conn.fetch(Q.job_claim, batch, kinds, known))
-            while rows:
-                done += len(rows)
-                got = await conn.fetch(
-                    Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
-                    [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
-                    [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
-                    kinds, known)
-                rows = [r for r in got if r["id"] is not None]
+            done = sum(await asyncio.gather(*(stream(c) for c in conns)))
             elapsed = time.perf_counter() - t0
         finally:
-            await conn.close()
+            for c in conns:
+                await c.close()
         if done != n_jobs:
             raise RuntimeError(f"ceiling (b) drained {done} jobs, expected {n_jobs}")
         return done / elapsed

@@ -55,28 +55,41 @@ def _drain_step(concurrency: int, prefetch: int) -> str:
     return f"drain c={concurrency}" + (f" p={prefetch}" if prefetch else "")
 
 
-def _steps(sizes: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+def _b_shape(drain: dict[str, Any]) -> tuple[int, int]:
+    """(K, statements in flight) of the engine's batching in a drain, for ceiling b."""
+    k = max(1, round(drain["jobs"] / max(1, drain["statements"])))
+    return k, 1 if drain["concurrency"] == 1 else 2
+
+
+def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Callable[[], Any]]]:
     s = sizes
     steps: list[tuple[str, Callable[[], Any]]] = []
 
-    def ceiling(name: str, fn: Callable[[], float]) -> Callable[[], Any]:
+    def ceiling(fn: Callable[[], float]) -> Callable[[], Any]:
         def go() -> float:
             workloads.ceiling_prepare(dsn, s.ceiling_jobs)
             return fn()
         return go
 
+    def ceiling_b(drain_step: str) -> Callable[[], Any]:
+        def go() -> dict[str, Any]:
+            k, streams = _b_shape(raw[drain_step])
+            workloads.ceiling_prepare(dsn, s.ceiling_jobs)
+            return {"k": k, "streams": streams,
+                    "jobs_per_s": ceilings.same_sql(dsn, s.ceiling_jobs, k, streams)}
+        return go
+
     steps += [
-        ("ceiling a, 1 conn", ceiling("a1", lambda: ceilings.one_per_transaction(
+        ("ceiling a, 1 conn", ceiling(lambda: ceilings.one_per_transaction(
             dsn, s.ceiling_jobs, 1))),
-        ("ceiling a, 8 conns", ceiling("a8", lambda: ceilings.one_per_transaction(
+        ("ceiling a, 8 conns", ceiling(lambda: ceilings.one_per_transaction(
             dsn, s.ceiling_jobs, 8))),
-        ("ceiling b, K=1", ceiling("b1", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 1))),
-        ("ceiling b, K=10", ceiling("b10", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 10))),
-        ("ceiling b, K=50", ceiling("b50", lambda: ceilings.same_sql(dsn, s.ceiling_jobs, 50))),
     ]
     for c, p in s.drain_settings:
-        steps.append((_drain_step(c, p),
-                      lambda c=c, p=p: workloads.drain(dsn, s.drain_jobs, c, p)))
+        name = _drain_step(c, p)
+        steps.append((name, lambda c=c, p=p: workloads.drain(dsn, s.drain_jobs, c, p)))
+        # Ceiling b right after, with the batching this drain reached.
+        steps.append((f"ceiling b, {name}", ceiling_b(name)))
     steps.append(("enqueue", lambda: workloads.enqueue(dsn, s.enqueue_jobs)))
     steps.append(("latency", lambda: workloads.latency(dsn, s.latency_jobs, s.latency_rate)))
     for h in s.history_rows:
@@ -91,8 +104,8 @@ def _steps(sizes: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
 def run_benchmarks(dsn: str, sizes: Sizes = DEFAULT, *, console: Console | None = None,
                    database: str = "given DSN") -> dict[str, Any]:
     """Run every workload on `dsn` (a migrated database whose rows are deleted)."""
-    steps = _steps(sizes, dsn)
     raw: dict[str, Any] = {}
+    steps = _steps(sizes, dsn, raw)
     t_start = time.perf_counter()
     with Progress(TextColumn("{task.description:<24}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
@@ -108,36 +121,38 @@ def run_benchmarks(dsn: str, sizes: Sizes = DEFAULT, *, console: Console | None 
 
 
 def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> dict[str, Any]:
-    ceil = {
-        "a_1conn_jobs_per_s": raw["ceiling a, 1 conn"],
-        "a_8conn_jobs_per_s": raw["ceiling a, 8 conns"],
-        "b_k1_jobs_per_s": raw["ceiling b, K=1"],
-        "b_k10_jobs_per_s": raw["ceiling b, K=10"],
-        "b_k50_jobs_per_s": raw["ceiling b, K=50"],
-    }
+    a1, a8 = raw["ceiling a, 1 conn"], raw["ceiling a, 8 conns"]
 
-    def ratios(value: float, batch: float) -> dict[str, float]:
-        # b with the engine's batching: the largest measured K that the setting's
-        # statements reach on average (jobs per statement of the worker's fetcher).
-        k = max(k for k in (1, 10, 50) if k <= max(1.0, round(batch)))
-        return {"vs_a1": value / ceil["a_1conn_jobs_per_s"],
-                "vs_a8": value / ceil["a_8conn_jobs_per_s"],
-                "vs_b": value / ceil[f"b_k{k}_jobs_per_s"], "b_k": k}
+    def ratios(value: float, b: dict[str, Any]) -> dict[str, Any]:
+        return {"vs_a1": value / a1, "vs_a8": value / a8, "vs_b": value / b["jobs_per_s"],
+                "b_k": b["k"], "b_streams": b["streams"]}
 
     drain = []
+    b_of: dict[tuple[int, int], dict[str, Any]] = {}
     for c, p in s.drain_settings:
-        d = raw[_drain_step(c, p)]
-        d["jobs_per_statement"] = 1 / d["statements_per_job"]
-        d["ratios"] = ratios(d["jobs_per_s"], d["jobs_per_statement"])
+        name = _drain_step(c, p)
+        d = raw[name]
+        b = raw[f"ceiling b, {name}"]
+        b_of[c, p] = b
+        d["setting"] = name
+        d["jobs_per_statement"] = d["jobs"] / max(1, d["statements"])
+        d["ceiling_b"] = b
+        d["ratios"] = ratios(d["jobs_per_s"], b)
         drain.append(d)
+    # Enqueue against the one-job b; the replicas against the b of a drain at
+    # their concurrency without prefetch (the setting they run), if measured.
+    b_single = b_of.get((1, 0), drain[0]["ceiling_b"])
+    b_replicas = b_of.get((s.replica_concurrency, 0), drain[-1]["ceiling_b"])
     enq = raw["enqueue"]
-    enq["ratios_single"] = ratios(enq["single_jobs_per_s"], 1)
-    enq["ratios_batch"] = ratios(enq["batch_jobs_per_s"], 1)
+    enq["ratios_single"] = ratios(enq["single_jobs_per_s"], b_single)
+    enq["ratios_batch"] = ratios(enq["batch_jobs_per_s"], b_single)
     reps = []
     for p in s.replica_processes:
         r = raw[f"replicas {p}"]
-        r["ratios"] = ratios(r["jobs_per_s"], s.replica_concurrency)
+        r["ratios"] = ratios(r["jobs_per_s"], b_replicas)
         reps.append(r)
+    ceil = {"a_1conn_jobs_per_s": a1, "a_8conn_jobs_per_s": a8,
+            "b": [{"drain": _drain_step(c, p), **b_of[c, p]} for c, p in s.drain_settings]}
     hist = [raw[f"history {h:,}"] for h in s.history_rows]
     base = hist[0]["p50_ms"]
     for h in hist:
@@ -159,9 +174,9 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
 # -- rendering ----------------------------------------------------------------
 
 
-def _r(ratios: dict[str, float]) -> str:
+def _r(ratios: dict[str, Any]) -> str:
     return (f"{ratios['vs_a1']:.2f}x a1 · {ratios['vs_a8']:.2f}x a8 · "
-            f"{ratios['vs_b']:.2f}x b(K={ratios['b_k']:.0f})")
+            f"{ratios['vs_b']:.2f}x b(K={ratios['b_k']}×{ratios['b_streams']})")
 
 
 def table(result: dict[str, Any]) -> Table:
@@ -173,9 +188,9 @@ def table(result: dict[str, Any]) -> Table:
     t.add_column("ratio to ceilings (a: 1 job/tx at 1|8 conns; b: engine SQL)")
     t.add_row("ceiling a", "1 connection", f"{c['a_1conn_jobs_per_s']:,.0f} jobs/s", "")
     t.add_row("ceiling a", "8 connections", f"{c['a_8conn_jobs_per_s']:,.0f} jobs/s", "")
-    t.add_row("ceiling b", "K=1", f"{c['b_k1_jobs_per_s']:,.0f} jobs/s", "")
-    t.add_row("ceiling b", "K=10", f"{c['b_k10_jobs_per_s']:,.0f} jobs/s", "")
-    t.add_row("ceiling b", "K=50", f"{c['b_k50_jobs_per_s']:,.0f} jobs/s", "")
+    for b in c["b"]:
+        t.add_row("ceiling b", f"K={b['k']} × {b['streams']} in flight (as {b['drain']})",
+                  f"{b['jobs_per_s']:,.0f} jobs/s", "")
     for d in result["drain"]:
         setting = f"concurrency {d['concurrency']}"
         if d.get("prefetch"):
@@ -222,10 +237,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     c = result["ceilings"]
-    labels = ["ceil a 1c", "ceil a 8c", "ceil b K1", "ceil b K10", "ceil b K50"]
-    values = [c["a_1conn_jobs_per_s"], c["a_8conn_jobs_per_s"], c["b_k1_jobs_per_s"],
-              c["b_k10_jobs_per_s"], c["b_k50_jobs_per_s"]]
-    colors = ["grey"] * 5
+    labels = ["ceil a 1c", "ceil a 8c"] + [f"ceil b K{b['k']}×{b['streams']}" for b in c["b"]]
+    values = [c["a_1conn_jobs_per_s"], c["a_8conn_jobs_per_s"]] + [
+        b["jobs_per_s"] for b in c["b"]]
+    colors = ["grey"] * len(values)
     for d in result["drain"]:
         labels.append(f"drain c{d['concurrency']}"
                       + (f" p{d['prefetch']}" if d.get("prefetch") else ""))

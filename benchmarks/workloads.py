@@ -150,7 +150,7 @@ def drain(dsn: str, n_jobs: int, concurrency: int, prefetch: int = 0) -> dict[st
 
     jobs_per_s, statements = trio.run(main)
     return {"concurrency": concurrency, "prefetch": prefetch, "jobs": n_jobs,
-            "jobs_per_s": jobs_per_s, "statements_per_job": statements / n_jobs}
+            "jobs_per_s": jobs_per_s, "statements": statements}
 
 
 # -- 2. enqueue ---------------------------------------------------------------

@@ -25,7 +25,12 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
 
     assert set(data) >= {"meta", "ceilings", "drain", "enqueue", "latency", "history",
                          "replicas"}
-    assert all(v > 0 for v in data["ceilings"].values())
+    ceilings = data["ceilings"]
+    assert ceilings["a_1conn_jobs_per_s"] > 0
+    assert ceilings["a_8conn_jobs_per_s"] > 0
+    # One ceiling b per drain setting, with the batching that drain reached.
+    assert [b["drain"] for b in ceilings["b"]] == [d["setting"] for d in data["drain"]]
+    assert all(b["jobs_per_s"] > 0 and b["k"] >= 1 for b in ceilings["b"])
     assert [(d["concurrency"], d["prefetch"]) for d in data["drain"]] == list(
         runner.TINY.drain_settings)
     assert all(d["jobs_per_s"] > 0 and d["ratios"]["vs_a8"] > 0 for d in data["drain"])
