@@ -456,7 +456,7 @@ class Worker:
         if self.config.concurrency == 1:
             return self._room()
         capacity = self.config.concurrency + self.config.prefetch
-        return min(self._room(), -(-capacity // 2))
+        return min(self._room(), -(-capacity // _STATEMENTS_IN_FLIGHT))
 
     def _begin(self, want: int) -> int:
         """Book a statement in flight and the room its claim may take; the drain it is in."""
