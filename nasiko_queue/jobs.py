@@ -211,7 +211,11 @@ class PgJobStore:
         rows = await self._db.fetch_generic(Q.jobs_unclaim, [j.id for j in jobs],
                                     [j.attempt for j in jobs])
         if rows and self._config.notify_channel is not None:
-            await self._db.execute(Q.queue_notify, self._config.notify_channel)
+            try:
+                await self._db.execute(Q.queue_notify, self._config.notify_channel)
+            except Exception as exc:  # they are back; replicas find them at their poll
+                log.warning("gave back %d job(s) but could not NOTIFY (%s: %s)", len(rows),
+                            type(exc).__name__, exc)
         return len(rows)
 
     async def fail(

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -63,6 +62,7 @@ from .jobs import (
     MAX_ATTEMPTS_EXCEEDED,
     TARGET_DELETED,
     ClaimedJob,
+    JobStatus,
     JobStore,
     PgJobStore,
     RecoveryResult,
@@ -118,11 +118,10 @@ class _Finish:
     """A slot's executor returned: the fetcher records the outcome from the build row."""
 
     job: ClaimedJob
-    payload: Payload
-
-    @property
-    def build_id(self) -> UUID:
-        return self.payload.build_id
+    build_id: UUID
+    #: "<kind> <label>", computed by the slot: the fetcher runs no code of the
+    #: payload type's, so a bug there cannot take the fetcher down.
+    label: str
 
 
 class Worker:
@@ -238,7 +237,7 @@ class Worker:
         """Nothing in hand and nothing about to start: no drain running or asked for."""
         stats = self.stats
         return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
-                and not self._draining and not self._woken)
+                and not self._draining and not self._woken and not self._in_flight)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -380,6 +379,9 @@ class Worker:
 
     async def _take(self) -> ClaimedJob | None:
         """The oldest buffered job, waiting for one if need be; None once closing."""
+        # A hard stop may already be on its way: then take nothing (what the
+        # buffer holds goes back unstarted, its attempt restored).
+        await trio.lowlevel.checkpoint_if_cancelled()
         while not self._buffer:
             if self._closing:
                 return None
@@ -418,8 +420,7 @@ class Worker:
             async with trio.open_nursery() as statements:
                 await self._fetch_until_closed(statements)
         finally:
-            with trio.CancelScope(shield=True), \
-                    trio.move_on_after(2 * self.config.cleanup_timeout):
+            with trio.CancelScope(shield=True):
                 await self._wind_down()
 
     async def _fetch_until_closed(self, statements: trio.Nursery) -> None:
@@ -471,12 +472,18 @@ class Worker:
         self._kick()
 
     async def _send_finishes(self, batch: list[_Finish], want: int, drain: int) -> None:
+        finishing = [(f.job, f.build_id) for f in batch]
+        tries = 0
+
+        async def send() -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
+            # Only the first try claims: a retry, or the last try after a hard
+            # stop, would claim jobs that nobody takes if its answer is lost.
+            nonlocal tries
+            tries += 1
+            return await self._store.finish_many_and_claim(finishing, want if tries == 1 else 0)
+
         try:
-            statuses, claimed = await self._final(
-                "finish",
-                functools.partial(self._store.finish_many_and_claim,
-                                  [(f.job, f.build_id) for f in batch], want),
-            )
+            statuses, claimed = await self._final("finish", send)
             self._accept(claimed, want, drain)
             verbose = log.isEnabledFor(logging.INFO)
             for finish in batch:
@@ -486,8 +493,7 @@ class Worker:
                 elif status is not None:
                     self.stats.failed += 1
                 if verbose:
-                    log.info("job %s (%s %s): %s", finish.job.id, finish.payload.kind,
-                             finish.payload.label(), status or "gone")
+                    log.info("job %s (%s): %s", finish.job.id, finish.label, status or "gone")
             self.stats.finishing -= len(batch)
         finally:
             self._done(want)
@@ -497,7 +503,8 @@ class Worker:
         try:
             claimed = await self._claim(want)
             if claimed is None:
-                self._end_drain()  # logged; the next wake or poll tries again
+                if drain == self.stats.drains_started:
+                    self._end_drain()  # logged; the next wake or poll tries again
             else:
                 self._accept(claimed, want, drain)
         finally:
@@ -555,8 +562,13 @@ class Worker:
 
     async def _wind_down(self) -> None:
         """
-        After the loop (graceful) or on a hard stop: record the finishes of the
-        last slots and give back the buffer. Bounded by the caller.
+        After the loop (graceful) or on a hard stop (shielded): record the
+        finishes of the last slots and give back the buffer.
+
+        It waits for every slot, however long an executor takes to notice a
+        hard stop (the work nursery waits for them anyway), so that an outcome
+        handed over late is still recorded. Each statement is bounded instead:
+        one that cannot be sent in time is logged, and the sweep recovers its jobs.
         """
         self._closing = True
         while self._buffer or self._finishes or self._slots_alive:
@@ -564,12 +576,13 @@ class Worker:
                 await self._give_back(expired=False)
             elif self._finishes:
                 batch, self._finishes = self._finishes, []
-                try:
+                with trio.move_on_after(2 * self.config.cleanup_timeout) as scope:
                     await self._send_finishes(batch, 0, self._begin(0))
-                except Exception:  # _final retries outages; this is the cancelled case
-                    log.exception("the last finishes could not be recorded; the recovery "
-                                  "sweep will")
-                    return
+                if scope.cancelled_caught:
+                    self.stats.finishing -= len(batch)
+                    log.error("the outcomes of %d finished job(s) may not be recorded (the "
+                              "database did not answer in time); the recovery sweep will "
+                              "recover what is left", len(batch))
             else:
                 await self._kicked.wait()
                 self._kicked = trio.Event()
@@ -631,9 +644,8 @@ class Worker:
             target=Target(agent_id=job.agent_id, connector_id=job.connector_id),
             db=self.queue.db,
         )
-        if log.isEnabledFor(logging.INFO):
-            log.info("job %s (%s %s): attempt %d starting", job.id, payload.kind,
-                     payload.label(), job.attempt)
+        label = f"{payload.kind} {payload.label()}"
+        log.info("job %s (%s): attempt %d starting", job.id, label, job.attempt)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(executor, ctx)
@@ -647,7 +659,7 @@ class Worker:
             # Cancelled: a hard stop. The job never finished; hand it back now.
             await self._release(job)
             raise
-        return _Finish(job=job, payload=payload)
+        return _Finish(job=job, build_id=payload.build_id, label=label)
 
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
         """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""
