@@ -22,7 +22,6 @@ class Queries:
 
     job_insert: str
     job_claim: str
-    job_finish_from_build: str
     job_mark: str
     job_reset_to_pending: str
     jobs_fail_exhausted_stuck: str

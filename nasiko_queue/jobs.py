@@ -91,8 +91,6 @@ class JobStore(Protocol):
 
     async def claim(self, limit: int) -> list[ClaimedJob]: ...
 
-    async def finish_from_build(self, job: ClaimedJob, build_id: UUID) -> JobStatus | None: ...
-
     async def finish_many_and_claim(
         self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]: ...
@@ -152,20 +150,11 @@ class PgJobStore:
 
         Returns the status written, or None when the job is no longer ours (its
         target was hard-deleted during the build, which cascaded the row away).
+        One job's `finish_many_and_claim` with no claim: the worker batches its
+        finishes, so this is for tools and tests.
         """
-        status = await self._db.fetchval(
-            Q.job_finish_from_build,
-            job.id,
-            job.attempt,
-            job.is_connector_job,
-            build_id,
-            BUILD_FAILED,
-        )
-        if status is None:
-            log.info("job %s finished but its row is gone or no longer ours; nothing to mark",
-                     job.id)
-            return None
-        return JobStatus(status)
+        statuses, _ = await self.finish_many_and_claim([(job, build_id)], 0)
+        return statuses.get(job.id)
 
     async def finish_many_and_claim(
         self, finishing: list[tuple[ClaimedJob, UUID]], limit: int

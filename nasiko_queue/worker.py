@@ -173,8 +173,10 @@ class Worker:
         self._finishes: list[_Finish] = []
         # Set to make the fetcher look at its work again (a finish, room, a drain).
         self._kicked = trio.Event()
-        self._draining = False
+        # Set while no drain runs: the fetcher claims to fill the room only
+        # while it is clear (a drain), and ends the drain by setting it.
         self._drain_ended = trio.Event()
+        self._drain_ended.set()
         # Past `prefetch_ttl`: claim only for idle slots until a slot runs dry.
         self._prefetch_paused = False
         # Graceful or hard stop under way: slots take nothing more from the buffer.
@@ -289,8 +291,11 @@ class Worker:
             self._notify()
         log.info("worker stopped")
 
+    @property
+    def _draining(self) -> bool:
+        return not self._drain_ended.is_set()
+
     def _end_drain(self) -> None:
-        self._draining = False
         self._drain_ended.set()
 
     def _close(self) -> None:
@@ -326,13 +331,12 @@ class Worker:
         """Have the fetcher claim until a claim comes back short (or fails)."""
         self.stats.drains_started += 1
         self._drain_ended = trio.Event()
-        self._draining = True
         self._kick()
         try:
             if not self._stop.is_set():
                 await self._drain_ended.wait()
         finally:
-            self._draining = False
+            self._end_drain()
             self.stats.drains_completed += 1
             self._notify()
 

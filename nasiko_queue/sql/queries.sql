@@ -37,25 +37,6 @@ RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS paylo
           coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
                    false) AS target_soft_deleted;
 
--- name: job_finish_from_build
--- The executor returned: read its build row ($3: the connector table or the
--- agent table) and mark the job in the same statement. 'success' is done;
--- anything else, a missing row included, is failed with $5. Only the claim that
--- is still ours ($1 id, $2 attempt, in_progress) is touched.
-WITH outcome AS (
-    SELECT CASE WHEN $3::boolean
-                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = $4)
-                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = $4)
-           END AS build_status
-)
-UPDATE build_jobs AS j
-SET status = CASE WHEN outcome.build_status = 'success' THEN 'done' ELSE 'failed' END,
-    error_msg = CASE WHEN outcome.build_status = 'success' THEN NULL ELSE $5 END,
-    completed_at = now()
-FROM outcome
-WHERE j.id = $1 AND j.status = 'in_progress' AND j.attempt = $2
-RETURNING j.status;
-
 -- name: job_mark
 -- Finish a claimed job with a fixed status and message (completed_at = now(),
 -- picked_at keeps the claim time). Only the claim that is still ours is touched.
