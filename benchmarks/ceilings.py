@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Coroutine
 from typing import Any
 
 import asyncpg
 
 from nasiko_queue._sql import Q
+from nasiko_queue.config import MAX_PAYLOAD_BYTES
 from nasiko_queue.database import ENGINE_SERVER_SETTINGS
 from nasiko_queue.jobs import BUILD_FAILED
 from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
@@ -76,14 +78,15 @@ def same_sql(dsn: str, n_jobs: int, batch: int, streams: int = 1) -> float:
 
     async def stream(conn: asyncpg.Connection) -> int:
         done = 0
-        rows = list(await conn.fetch(Q.job_claim, batch, kinds, known))
+        rows = list(await conn.fetch(Q.job_claim, batch, kinds, known, MAX_PAYLOAD_BYTES,
+                                     uuid.uuid4()))
         while rows:
             done += len(rows)
             got = await conn.fetch(
                 Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
                 [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
                 [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
-                kinds, known)
+                kinds, known, MAX_PAYLOAD_BYTES, uuid.uuid4())
             rows = [r for r in got if r["id"] is not None]
         return done
 

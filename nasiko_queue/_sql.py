@@ -22,9 +22,11 @@ class Queries:
 
     job_insert: str
     job_claim: str
-    job_mark: str
+    job_fail: str
+    agent_lock: str
+    connector_lock: str
     job_reset_to_pending: str
-    jobs_fail_exhausted_stuck: str
+    jobs_stuck_exhausted: str
     jobs_reset_stuck: str
     agent_builds_fail_unfinished: str
     agent_build_fail_own: str
@@ -70,6 +72,9 @@ class Queries:
     jobs_prune: str
     jobs_finish_many_and_claim: str
     jobs_unclaim: str
+    jobs_unclaim_lost: str
+    backend_end: str
+    backend_alive: str
     queue_notify: str
 
 

@@ -41,7 +41,7 @@ from .config import QueueConfig
 from .database import Database, open_database
 from .demo import DemoReport, run_demo
 from .embedded import EmbeddedPostgres
-from .errors import ConfigurationError, NasikoQueueError
+from .errors import ConfigurationError, NasikoQueueError, is_transient
 from .executors import Executors
 from .migrate import load_migrations, migrate
 from .payloads import McpServerUpload
@@ -316,19 +316,16 @@ async def _check_schema(db: Database) -> None:
 
 def _unreachable(exc: BaseException) -> bool:
     """
-    Whether `exc` says the server is down, starting or shutting down: an outage.
+    Whether `exc` is an outage to wait out: the one list of transient errors
+    (`errors.is_transient`) that the worker and the sweep use too.
 
-    A host name that does not resolve, and anything the server itself answers (no
-    such database, a wrong password, no schema), is a mistake to report instead.
+    One case differs at start-up: a host name that does not resolve is taken as
+    a mistake in the DSN and reported, like anything the server itself refuses
+    (no such database, a wrong password, no schema).
     """
-    for leaf in _leaves(exc):
-        if isinstance(leaf, socket.gaierror):
-            return False
-        if isinstance(leaf, OSError | asyncpg.PostgresConnectionError
-                      | asyncpg.CannotConnectNowError | asyncpg.AdminShutdownError
-                      | asyncpg.CrashShutdownError):
-            return True
-    return False
+    if any(isinstance(leaf, socket.gaierror) for leaf in _leaves(exc)):
+        return False
+    return is_transient(exc)
 
 
 async def _check_schema_when_up(

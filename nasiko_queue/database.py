@@ -16,6 +16,15 @@ leaks the connection). So this module follows two rules:
   `Database.transaction()` (the caller's transaction that `enqueue` joins): its
   commit, rollback and release run under `CancelScope(shield=True)` with a timeout.
 
+A bound set on the trio side alone is not a bound: cancelling a trio-asyncio
+call cancels its asyncio task and then *waits for it*, and asyncpg answers a
+cancellation by asking the server to cancel the statement and waiting for that.
+So the worker's own statements go through `Database.run_bounded`, which runs the
+operation as an asyncio task of its own, stops waiting for it after `timeout`
+whatever the task is doing, and bounds the task itself with asyncpg's timeouts.
+When the statement had gone out, the caller gets `OutcomeUnknown`, naming the
+server process that received it.
+
 The pool connects lazily (min_size 0), so a worker can start while the server is
 down and simply fail operations until it is back; asyncpg replaces connections
 that died. Nothing here retries: the callers decide (the worker retries final
@@ -33,6 +42,8 @@ import asyncpg
 import attrs
 import trio
 import trio_asyncio
+
+from .errors import OutcomeUnknown, is_connection_error
 
 log = logging.getLogger("nasiko_queue.database")
 
@@ -163,6 +174,71 @@ class Database:
 
         return await self._cross(on_asyncio())
 
+    async def run_bounded(self, op: Operation[T], *, bound: float,
+                          generic: bool = False) -> T:
+        """
+        Run `op(conn)` with a pooled connection, waiting for it `bound` seconds at most.
+
+        For the worker's own statements, which run shielded from cancellation and
+        must not hold a stopping worker for longer than they are allowed. The
+        operation runs as an asyncio task of its own: at the bound the trio side
+        stops waiting, whatever the task is doing (a cancelled trio-asyncio call
+        would wait for its task, and asyncpg for the server's answer to the
+        cancellation), and the task ends on its own later, bounded by asyncpg's
+        timeouts, its result dropped. `op` should pass `timeout=bound` to its
+        statements. A task abandoned before it sent anything never sends it.
+
+        Args:
+            generic: run on the queue's own pool, where statements keep generic
+                plans (see `fetch_generic`).
+
+        Raises:
+            OutcomeUnknown: the operation had sent its statement and no answer
+                came in time, or its connection broke before the answer; what
+                it did is unknown. Carries the server process's pid.
+        """
+        pool = self._engine_pool if generic else self._pool
+        flight = _Flight()
+
+        async def on_asyncio() -> T:
+            conn = await pool.acquire(timeout=min(bound, self.config.connect_timeout))
+            try:
+                if flight.abandoned:  # the trio side gave up while we waited for a connection
+                    raise _Abandoned()
+                flight.backend_pid = conn.get_server_pid()
+                return await op(conn)
+            except _BROKEN_CONNECTION:
+                conn.terminate()
+                raise
+            finally:
+                await self._release_after_use(pool, conn)
+
+        task = self._loop.create_task(on_asyncio())
+        answered = trio.Event()
+        task.add_done_callback(lambda _task: answered.set())
+        try:
+            with trio.move_on_after(bound):
+                await answered.wait()
+        finally:
+            if not task.done():
+                flight.abandoned = True
+                task.add_done_callback(_drop_late_result)
+        if not task.done():
+            if flight.backend_pid is None:
+                raise TimeoutError(f"no connection within {bound}s")
+            raise OutcomeUnknown(f"no answer within {bound}s",
+                                 backend_pid=flight.backend_pid)
+        if task.cancelled():  # the loop is closing under us
+            raise OutcomeUnknown("the operation was cancelled on the asyncio side",
+                                 backend_pid=flight.backend_pid)
+        exc = task.exception()
+        if exc is None:
+            return task.result()  # type: ignore[no-any-return]
+        if flight.backend_pid is not None and _maybe_sent(exc):
+            raise OutcomeUnknown(f"connection failed before the answer ({type(exc).__name__})",
+                                 backend_pid=flight.backend_pid) from exc
+        raise exc
+
     async def _release_after_use(self, pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
         """
         Return `conn` to the pool (asyncio side); a failure here undoes nothing.
@@ -175,7 +251,7 @@ class Database:
         one running it until the stuck-job sweep.
         """
         try:
-            await pool.release(conn)
+            await pool.release(conn, timeout=self.config.cleanup_timeout)
         except Exception as exc:
             log.warning("a connection could not be returned to the pool (%s: %s); dropped",
                         type(exc).__name__, exc)
@@ -242,16 +318,26 @@ class Database:
             await self._cleanup(self._pool.release(conn), "release")
 
     async def _cleanup(self, coro: Coroutine[Any, Any, Any], what: str) -> bool:
-        """Run a cleanup shielded and bounded; report whether it finished."""
+        """
+        Run a cleanup shielded and bounded; report whether it finished in time.
+
+        Bounded for real: the cleanup runs as an asyncio task that is left to end
+        on its own if it overruns (see `run_bounded`).
+        """
+        task = self._loop.create_task(coro)
+        finished = trio.Event()
+        task.add_done_callback(lambda _task: finished.set())
         with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
-            try:
-                await self._cross(coro)
-            except Exception:
-                log.warning("database %s failed", what, exc_info=True)
-                return False
-            return True
-        log.warning("database %s timed out after %.1fs", what, self.config.cleanup_timeout)
-        return False
+            await finished.wait()
+        if not task.done():
+            task.add_done_callback(_drop_late_result)
+            log.warning("database %s timed out after %.1fs", what, self.config.cleanup_timeout)
+            return False
+        exc = task.exception()
+        if exc is not None:
+            log.warning("database %s failed (%s: %s)", what, type(exc).__name__, exc)
+            return False
+        return True
 
     @asynccontextmanager
     async def dedicated_connection(self) -> AsyncIterator[asyncpg.Connection]:
@@ -346,6 +432,35 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
         if raised is not None and _leaves(group) == [raised]:
             raise raised from None
         raise
+
+
+@attrs.define
+class _Flight:
+    """One bounded operation: whether the trio side gave up, and where it was sent."""
+
+    abandoned: bool = False
+    #: The server process of the connection the operation used, once it had one.
+    backend_pid: int | None = None
+
+
+class _Abandoned(Exception):
+    """An abandoned operation that got its connection too late, and so sent nothing."""
+
+
+def _maybe_sent(exc: BaseException) -> bool:
+    """Whether a statement that failed with `exc` may still have committed."""
+    return is_connection_error(exc) or isinstance(exc, asyncpg.QueryCanceledError)
+
+
+def _drop_late_result(task: Any) -> None:
+    """Done-callback of an abandoned task: retrieve its outcome so asyncio does not
+    report it as never retrieved; the caller has moved on (and resolves it)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, _Abandoned):
+        log.debug("an abandoned database operation ended late (%s: %s)",
+                  type(exc).__name__, exc)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

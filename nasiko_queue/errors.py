@@ -54,29 +54,96 @@ class ConfigurationError(NasikoQueueError, ValueError):
     """A setting is out of range or two settings contradict each other."""
 
 
-#: PostgreSQL error classes that say "try again" rather than "this is wrong":
-#: 08 connection, 40 transaction rollback (serialization, deadlock), 53
-#: insufficient resources, 57 operator intervention (shutdown, cancel), 58 system.
-_TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+class OutcomeUnknown(NasikoQueueError):
+    """
+    A statement went out and its answer did not come back in time (or its
+    connection broke while it was on its way): it may or may not have committed.
+
+    Raised by the bounded operations of the worker's own statements
+    (`Database.run_bounded`). `backend_pid` names the server process that
+    received it, so that the caller can make sure that process has gone (and
+    with it the statement: committed or rolled back, but no longer on its way)
+    before it looks at what the statement did.
+    """
+
+    def __init__(self, message: str | None = None, *, backend_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.backend_pid = backend_pid
+
+
+# -- what is worth retrying ------------------------------------------------------------
+#
+# One list, used by the worker (final updates, claims), the recovery sweep and the
+# CLI: an error either can pass by waiting (retry it, however long that takes) or
+# never will (a trigger's RAISE, a constraint, a permission: retrying it forever
+# would wedge the worker on one job, so the caller falls back).
+
+#: SQLSTATE classes where every code is about the moment, not the statement:
+#: 08 connection exception, 53 insufficient resources (disk full, out of memory,
+#: too many connections), 57 operator intervention (shutdown, crash, query
+#: cancelled, cannot connect now), 58 system error (I/O).
+_TRANSIENT_CLASSES = frozenset({"08", "53", "57", "58"})
+#: Codes of those classes that waiting will not fix.
+_NEVER_TRANSIENT = frozenset({
+    "57P04",  # database_dropped
+    "58P01",  # undefined_file
+    "58P02",  # duplicate_file
+})
+#: Single codes of other classes that pass by waiting.
+_TRANSIENT_CODES = frozenset({
+    "40001",  # serialization_failure: retry, as PostgreSQL asks
+    "40P01",  # deadlock_detected: retry, as PostgreSQL asks
+    "40003",  # statement_completion_unknown
+    "55P03",  # lock_not_available: the application's lock_timeout, or NOWAIT
+    "55006",  # object_in_use
+    "25006",  # read_only_sql_transaction: a standby after a fail-over, until promoted
+    "25P03",  # idle_in_transaction_session_timeout: the session is gone
+    "25P04",  # transaction_timeout (PostgreSQL 17)
+    "72000",  # snapshot_too_old
+})
+
+#: Client-side errors that mean the connection, not the statement, failed.
+#: OSError covers ConnectionError and TimeoutError (asyncpg's timeouts);
+#: InternalClientError is asyncpg's word for a connection left in a state it
+#: cannot go on from.
+_CONNECTION_ERRORS = (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                      trio.TooSlowError, OutcomeUnknown)
+
+
+def sqlstate(exc: BaseException) -> str:
+    """The SQLSTATE of a PostgreSQL error, or '' for anything else."""
+    return str(getattr(exc, "sqlstate", "") or "") if isinstance(exc, asyncpg.PostgresError) \
+        else ""
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """
+    Whether `exc` says the database could not be reached or the connection
+    broke (an outage), as opposed to the server refusing a statement.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_connection_error(e) for e in exc.exceptions)
+    return isinstance(exc, _CONNECTION_ERRORS) or sqlstate(exc)[:2] == "08" or \
+        sqlstate(exc) in ("57P01", "57P02", "57P03")
 
 
 def is_transient(exc: BaseException) -> bool:
     """
-    Whether a database operation that raised `exc` may succeed if tried again.
+    Whether a database operation that raised `exc` may succeed if tried again later.
 
-    Outages (refused or dropped connections, a server shutting down or starting,
-    time-outs) and the rollbacks PostgreSQL asks clients to retry (deadlock,
-    serialization failure) are transient. Anything the server rejects on its
-    merits — a constraint, a trigger that raises, a missing table — is not:
-    retrying it forever would wedge the worker on one job.
+    Transient: outages (refused or dropped connections, a server shutting down or
+    starting, time-outs, an answer that never came), the rollbacks PostgreSQL asks
+    clients to retry (deadlock, serialization failure), lock waits cut off by a
+    `lock_timeout`, a read-only server after a fail-over, exhausted resources.
+    Not transient: whatever the server rejects on its merits — a constraint, a
+    trigger that raises, a permission, a missing table, bad SQL — which retrying
+    forever would turn into a wedged worker.
     """
     if isinstance(exc, BaseExceptionGroup):
         return all(is_transient(e) for e in exc.exceptions)
-    if isinstance(exc, OSError | asyncpg.InterfaceError | asyncpg.InternalClientError
-                  | trio.TooSlowError):
-        # OSError covers TimeoutError and ConnectionError; InternalClientError is
-        # asyncpg's word for a connection left in a state it cannot go on from.
+    if isinstance(exc, _CONNECTION_ERRORS):
         return True
-    if isinstance(exc, asyncpg.PostgresError):
-        return str(getattr(exc, "sqlstate", "") or "")[:2] in _TRANSIENT_SQLSTATE_CLASSES
-    return False
+    code = sqlstate(exc)
+    if not code or code in _NEVER_TRANSIENT:
+        return False
+    return code[:2] in _TRANSIENT_CLASSES or code in _TRANSIENT_CODES

@@ -9,13 +9,24 @@ timer logic can be tested against an in-memory fake on trio's mock clock.
 Every write to a claimed job is guarded by the claim itself (`id`, `attempt`,
 `status = 'in_progress'`): a job that the sweep has meanwhile handed to another
 worker, or whose target was deleted, is left alone and the write reports False.
+
+The worker's statements are bounded by `QueueConfig.cleanup_timeout` on both
+sides of the trio/asyncio bridge (`Database.run_bounded`). A claim whose answer
+does not come in time raises `ClaimOutcomeUnknown`; `resolve_lost_claim` then
+finds what it took by the claim's token and gives it back.
+
+Lock order: a transaction that may terminalize a target locks the target row
+first, then the job row, then the builds (`agent_lock`). Without it, two
+replicas failing two jobs of one agent deadlock: each holds its own job row and
+waits for the other's, which the agent's delete cascades to.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import logging
+import uuid
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Protocol
 from uuid import UUID
@@ -26,7 +37,7 @@ import attrs
 from ._sql import Q
 from .config import QueueConfig
 from .database import Database
-from .errors import is_transient
+from .errors import OutcomeUnknown, is_connection_error, is_transient
 from .payloads import raw_build_id
 from .terminalize import terminalize_target
 
@@ -39,6 +50,9 @@ INVALID_PAYLOAD = "invalid job payload"
 TARGET_DELETED = "target deleted"
 JOB_PANICKED = "job panicked during execution"
 BUILD_FAILED = "build or deploy step failed — see the relevant *_builds row for details"
+
+#: Stuck jobs the sweep chooses per statement; it loops until none is left.
+SWEEP_BATCH = 100
 
 
 class JobStatus(enum.StrEnum):
@@ -59,7 +73,9 @@ class ClaimedJob:
     connector_id: UUID | None
     owner_id: UUID
     #: The payload column as JSON text; parsed by the worker, not by the claim.
-    payload: str = attrs.field(repr=False)
+    #: None when it is larger than `QueueConfig.max_payload_bytes` (written by
+    #: another writer; enqueue refuses such payloads): the claim did not send it.
+    payload: str | None = attrs.field(repr=False)
     #: `attempt` before this claim's increment (the original's `old_attempt`).
     old_attempt: int
     created_at: datetime
@@ -84,6 +100,28 @@ class RecoveryResult:
     failed: int
     #: Stuck jobs with attempts left, now pending again.
     reset: int
+    #: Stuck jobs with no attempts left that met a lock or a conflict (a lock
+    #: timeout, a deadlock); they are tried again at the next sweep.
+    skipped: int = 0
+
+
+@attrs.frozen
+class LostClaim:
+    """A claim that may have committed although its answer never came."""
+
+    #: The token the claim wrote on every row it took (`build_jobs.claim_token`).
+    token: UUID
+    #: The server process that received it; it must be gone before the claim is
+    #: looked at, or the claim could still be on its way.
+    backend_pid: int | None
+
+
+class ClaimOutcomeUnknown(OutcomeUnknown):
+    """A claim (or a finish carrying one) got no answer: see `PgJobStore.resolve_lost_claim`."""
+
+    def __init__(self, claim: LostClaim, cause: OutcomeUnknown) -> None:
+        super().__init__(str(cause), backend_pid=claim.backend_pid)
+        self.claim = claim
 
 
 class JobStore(Protocol):
@@ -94,6 +132,8 @@ class JobStore(Protocol):
     async def finish_many_and_claim(
         self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]: ...
+
+    async def resolve_lost_claim(self, claim: LostClaim) -> int: ...
 
     async def unclaim(self, jobs: list[ClaimedJob]) -> int: ...
 
@@ -117,7 +157,9 @@ class PgJobStore:
 
     Args:
         db: the connection pool.
-        config: supplies MAX_ATTEMPTS and the stuck threshold.
+        config: supplies MAX_ATTEMPTS, the stuck threshold, the payload bound,
+            the NOTIFY channel and `cleanup_timeout`, the bound on each of the
+            worker's statements.
         runnable_kinds: payload kinds this worker has executors for.
         known_kinds: every kind a payload type exists for; a job of any other
             kind is claimed too, so that it fails as invalid instead of waiting
@@ -136,10 +178,23 @@ class PgJobStore:
         self._config = config
         self._runnable = sorted(runnable_kinds)
         self._known = sorted(known_kinds | runnable_kinds)
+        self._bound = config.cleanup_timeout
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
-        """Claim up to `limit` pending jobs, oldest first (FOR UPDATE SKIP LOCKED)."""
-        rows = await self._db.fetch_generic(Q.job_claim, limit, self._runnable, self._known)
+        """
+        Claim up to `limit` pending jobs, oldest first (FOR UPDATE SKIP LOCKED).
+
+        Raises:
+            ClaimOutcomeUnknown: no answer in time; the claim may have taken jobs.
+        """
+        token = uuid.uuid4()
+        args = (limit, self._runnable, self._known, self._config.max_payload_bytes, token)
+        try:
+            rows = await self._db.run_bounded(
+                lambda conn: conn.fetch(Q.job_claim, *args, timeout=self._bound),
+                bound=self._bound, generic=True)
+        except OutcomeUnknown as exc:
+            raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
         jobs = [ClaimedJob(**dict(row)) for row in rows]
         jobs.sort(key=lambda j: j.created_at)
         return jobs
@@ -165,9 +220,14 @@ class PgJobStore:
         last statement and claims what its slots and prefetch buffer have room
         for, so the claim's SQL lives in two statements, not three. Returns each
         job's status (None: gone or no longer ours) and the claims.
+
+        Raises:
+            ClaimOutcomeUnknown: no answer in time (with `limit` > 0; without a
+                claim, plain `OutcomeUnknown`). The finishes are safe to send
+                again: each is guarded by its claim.
         """
-        rows = await self._db.fetch_generic(
-            Q.jobs_finish_many_and_claim,
+        token = uuid.uuid4()
+        args = (
             [j.id for j, _ in finishing],
             [j.attempt for j, _ in finishing],
             [j.is_connector_job for j, _ in finishing],
@@ -176,7 +236,17 @@ class PgJobStore:
             limit,
             self._runnable,
             self._known,
+            self._config.max_payload_bytes,
+            token,
         )
+        try:
+            rows = await self._db.run_bounded(
+                lambda conn: conn.fetch(Q.jobs_finish_many_and_claim, *args, timeout=self._bound),
+                bound=self._bound, generic=True)
+        except OutcomeUnknown as exc:
+            if limit:
+                raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
+            raise
         statuses: dict[UUID, JobStatus | None] = {}
         claimed: list[ClaimedJob] = []
         for row in rows:
@@ -189,6 +259,34 @@ class PgJobStore:
         claimed.sort(key=lambda j: j.created_at)
         return statuses, claimed
 
+    async def resolve_lost_claim(self, claim: LostClaim) -> int:
+        """
+        Give back whatever a claim with a lost answer took; return how many jobs.
+
+        First the server process that received the claim is ended (and waited
+        for), so that the claim is settled: committed or rolled back, not still
+        on its way. Then every row carrying its token goes back to pending with
+        its attempt restored (none of them reached an executor), and listening
+        workers are woken. Safe to call again.
+        """
+        wait_ms = max(1, int(self._bound * 1000 / 2))
+
+        async def resolve(conn: asyncpg.Connection) -> int:
+            if claim.backend_pid is not None and claim.backend_pid != conn.get_server_pid():
+                await conn.fetchval(Q.backend_end, claim.backend_pid, wait_ms,
+                                    timeout=self._bound)
+                if await conn.fetchval(Q.backend_alive, claim.backend_pid, timeout=self._bound):
+                    raise TimeoutError(f"server process {claim.backend_pid} has not ended yet")
+            row = await conn.fetchrow(Q.jobs_unclaim_lost, claim.token,
+                                      self._config.stuck_job_mins, self._config.notify_channel,
+                                      timeout=self._bound)
+            return int(row["given_back"]) if row is not None else 0
+
+        given: int = await self._db.run_bounded(resolve, bound=self._bound)
+        if given:
+            log.warning("gave back %d job(s) taken by a claim whose answer was lost", given)
+        return given
+
     async def unclaim(self, jobs: list[ClaimedJob]) -> int:
         """
         Claimed jobs that never started go back to pending, their attempts
@@ -197,15 +295,11 @@ class PgJobStore:
         """
         if not jobs:
             return 0
-        rows = await self._db.fetch_generic(Q.jobs_unclaim, [j.id for j in jobs],
-                                    [j.attempt for j in jobs])
-        if rows and self._config.notify_channel is not None:
-            try:
-                await self._db.execute(Q.queue_notify, self._config.notify_channel)
-            except Exception as exc:  # they are back; replicas find them at their poll
-                log.warning("gave back %d job(s) but could not NOTIFY (%s: %s)", len(rows),
-                            type(exc).__name__, exc)
-        return len(rows)
+        args = ([j.id for j in jobs], [j.attempt for j in jobs], self._config.notify_channel)
+        row = await self._db.run_bounded(
+            lambda conn: conn.fetchrow(Q.jobs_unclaim, *args, timeout=self._bound),
+            bound=self._bound, generic=True)
+        return int(row["given_back"]) if row is not None else 0
 
     async def fail(
         self,
@@ -220,70 +314,129 @@ class PgJobStore:
 
         With `terminalize`, the target goes terminal (SPEC §6). Without it (the
         soft-deleted agent), only the job's own build row is ended. Returns
-        False when the job is no longer ours.
+        False when the job is no longer ours. `own_build_id` None: read from the
+        row (a payload that does not parse).
         """
 
         async def op(conn: asyncpg.Connection) -> bool:
-            row = await conn.fetchrow(Q.job_mark, job.id, job.attempt, JobStatus.FAILED, message)
-            if row is None:
-                return False
-            if terminalize:
-                await terminalize_target(conn, row["agent_id"], row["connector_id"], own_build_id)
-            elif own_build_id is not None and row["agent_id"] is not None:
-                await conn.execute(Q.agent_build_fail_own, own_build_id)
-            return True
+            async with conn.transaction():
+                return await self._fail_in(conn, job.id, job.attempt, job.agent_id,
+                                           job.connector_id, message, own_build_id,
+                                           terminalize=terminalize, stuck_mins=None)
 
-        ours: bool = await self._db.run_in_transaction(op)
+        ours: bool = await self._db.run_bounded(op, bound=self._bound)
         if not ours:
             log.info("job %s: row gone or no longer ours; not marked %r", job.id, message)
         return ours
 
+    async def _fail_in(
+        self,
+        conn: asyncpg.Connection,
+        job_id: UUID,
+        attempt: int,
+        agent_id: UUID | None,
+        connector_id: UUID | None,
+        message: str,
+        own_build_id: UUID | None,
+        *,
+        terminalize: bool,
+        stuck_mins: int | None,
+    ) -> bool:
+        """Fail one claimed job inside the caller's transaction, target locked first."""
+        bound = self._bound if stuck_mins is None else None
+        if agent_id is not None:
+            if await conn.fetchval(Q.agent_lock, agent_id, timeout=bound) is None:
+                return False  # the agent is gone, and its jobs with it
+        elif connector_id is not None and \
+                await conn.fetchval(Q.connector_lock, connector_id, timeout=bound) is None:
+            return False
+        row = await conn.fetchrow(Q.job_fail, job_id, attempt, message, stuck_mins,
+                                  timeout=bound)
+        if row is None:
+            return False
+        build_id = own_build_id or raw_build_id(
+            {"kind": row["kind"], "build_id": row["build_id"],
+             "rollback_build_id": row["rollback_build_id"]})
+        if terminalize:
+            await terminalize_target(conn, row["agent_id"], row["connector_id"], build_id)
+        elif build_id is not None and row["agent_id"] is not None:
+            await conn.execute(Q.agent_build_fail_own, build_id, timeout=bound)
+        return True
+
     async def reset(self, job: ClaimedJob) -> bool:
-        """Back to pending with picked_at NULL; the attempt stays counted."""
-        return await self._db.fetchval(Q.job_reset_to_pending, job.id, job.attempt) is not None
+        """Back to pending with picked_at NULL (the attempt stays counted); NOTIFY."""
+        row = await self._db.run_bounded(
+            lambda conn: conn.fetchrow(Q.job_reset_to_pending, job.id, job.attempt,
+                                       self._config.notify_channel, timeout=self._bound),
+            bound=self._bound)
+        return row is not None
 
     async def recover(self) -> RecoveryResult:
         """
-        The two recovery statements of SPEC §7.
+        The two recovery steps of SPEC §7.
 
-        Exhausted stuck jobs are failed and their targets terminalized in one
-        transaction; then the others go back to pending. Both skip rows another
-        session holds, so any number of replicas may sweep at once.
+        Exhausted stuck jobs are failed one by one, each in a transaction of its
+        own with its target's terminalization (target locked first): one job
+        whose target the database refuses to terminalize is failed alone, one
+        that meets a lock or a conflict is left for the next sweep, and neither
+        holds back the others. An outage aborts the sweep (the caller retries).
+        Then the stuck jobs with attempts left go back to pending in one
+        statement. Any number of replicas may sweep at once.
         """
         mins = self._config.stuck_job_mins
         max_attempts = self._config.max_attempts
-
-        async def fail_exhausted(conn: asyncpg.Connection) -> int:
-            rows = await conn.fetch(
-                Q.jobs_fail_exhausted_stuck, mins, max_attempts, MAX_ATTEMPTS_EXCEEDED
-            )
+        failed = skipped = 0
+        tried: list[UUID] = []
+        while True:
+            rows = await self._db.fetch(Q.jobs_stuck_exhausted, mins, max_attempts, tried,
+                                        SWEEP_BATCH)
             for row in rows:
-                # Each target in a savepoint of its own: one target the database
-                # refuses to terminalize must not hold back every other stuck job
-                # sweep after sweep. An outage still aborts (and retries) the lot.
-                try:
-                    async with conn.transaction():
-                        await terminalize_target(conn, row["agent_id"], row["connector_id"],
-                                                 _build_id_of(row["payload"]))
-                except asyncpg.PostgresError as exc:
-                    if is_transient(exc):
-                        raise
-                    log.error("recovery: job %s failed for good, but its target could not be "
-                              "terminalized (%s: %s); left as it is", row["id"],
-                              type(exc).__name__, exc)
-            return len(rows)
-
-        failed = await self._db.run_in_transaction(fail_exhausted)
-        reset = len(await self._db.fetch(Q.jobs_reset_stuck, mins, max_attempts))
+                tried.append(row["id"])
+                outcome = await self._fail_stuck(row)
+                failed += outcome == "failed"
+                skipped += outcome == "skipped"
+            if len(rows) < SWEEP_BATCH:
+                break
+        row = await self._db.fetchrow(Q.jobs_reset_stuck, mins, max_attempts,
+                                      self._config.notify_channel)
+        reset = int(row["reset"]) if row is not None else 0
         if failed:
             log.warning("recovery: %d stuck job(s) had no attempts left and failed", failed)
         if reset:
             log.warning("recovery: %d stuck job(s) reset to pending", reset)
-        return RecoveryResult(failed=failed, reset=reset)
+        if skipped:
+            log.warning("recovery: %d stuck job(s) met a lock or a conflict; next sweep", skipped)
+        return RecoveryResult(failed=failed, reset=reset, skipped=skipped)
 
+    async def _fail_stuck(self, row: asyncpg.Record) -> str:
+        """Fail one exhausted stuck job: 'failed', 'gone' (not ours to fail) or 'skipped'."""
+        mins = self._config.stuck_job_mins
 
-def _build_id_of(payload_text: str) -> UUID | None:
-    try:
-        return raw_build_id(json.loads(payload_text))
-    except ValueError:
-        return None
+        def fail(terminalize: bool) -> Callable[[asyncpg.Connection], Awaitable[bool]]:
+            async def op(conn: asyncpg.Connection) -> bool:
+                async with conn.transaction():
+                    return await self._fail_in(
+                        conn, row["id"], row["attempt"], row["agent_id"], row["connector_id"],
+                        MAX_ATTEMPTS_EXCEEDED, None, terminalize=terminalize, stuck_mins=mins)
+            return op
+
+        for terminalize in (True, False):
+            try:
+                ours = await self._db.run(fail(terminalize))
+            except Exception as exc:
+                if is_connection_error(exc):
+                    raise
+                if is_transient(exc):
+                    log.warning("recovery: job %s: %s: %s; trying again at the next sweep",
+                                row["id"], type(exc).__name__, exc)
+                    return "skipped"
+                if terminalize:
+                    log.error("recovery: job %s failed for good, but its target could not be "
+                              "terminalized (%s: %s); failing the job alone", row["id"],
+                              type(exc).__name__, exc)
+                    continue
+                log.error("recovery: job %s could not be failed (%s: %s); left as it is",
+                          row["id"], type(exc).__name__, exc)
+                return "skipped"
+            return "failed" if ours else "gone"
+        return "skipped"  # not reached: the second pass returns

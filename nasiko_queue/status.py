@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from ._sql import Q
-from .config import STUCK_JOB_MINS
+from .config import MAX_PAYLOAD_BYTES, STUCK_JOB_MINS
 from .database import Database
 from .jobs import JobStatus
 from .payloads import BUILTIN_PAYLOAD_TYPES
@@ -147,7 +147,8 @@ async def explain_claim(db: Database) -> ClaimPlan:
     """
     kinds = [t.kind for t in BUILTIN_PAYLOAD_TYPES]
     # A newline, not a space: the named statement starts with a comment line.
-    text = await db.fetchval("EXPLAIN (FORMAT JSON)\n" + Q.job_claim, 1, kinds, kinds)
+    text = await db.fetchval("EXPLAIN (FORMAT JSON)\n" + Q.job_claim, 1, kinds, kinds,
+                             MAX_PAYLOAD_BYTES, None)
     return plan_claim(json.loads(text) if isinstance(text, str) else text)
 
 

@@ -54,7 +54,7 @@ import attrs
 import trio
 
 from .config import QueueConfig
-from .errors import InvalidPayload, is_transient
+from .errors import InvalidPayload, OutcomeUnknown, is_transient
 from .executors import Executors, JobContext
 from .jobs import (
     INVALID_PAYLOAD,
@@ -62,12 +62,14 @@ from .jobs import (
     MAX_ATTEMPTS_EXCEEDED,
     TARGET_DELETED,
     ClaimedJob,
+    ClaimOutcomeUnknown,
     JobStatus,
     JobStore,
+    LostClaim,
     PgJobStore,
     RecoveryResult,
 )
-from .payloads import BUILTIN_PAYLOAD_TYPES, Payload, PayloadCodec, Target, raw_build_id
+from .payloads import BUILTIN_PAYLOAD_TYPES, Payload, PayloadCodec, Target
 from .queue import Queue
 from .retention import prune
 
@@ -79,9 +81,22 @@ T = TypeVar("T")
 _STATEMENTS_IN_FLIGHT = 2
 
 
-@attrs.define
+def _stats_changed(stats: WorkerStats, attribute: attrs.Attribute[int], value: int) -> int:
+    """attrs `on_setattr` hook: every change of a counter wakes `Worker.wait_for`."""
+    lot = stats._changed_lot
+    if lot is not None and attribute.name != "_changed_lot":
+        lot.unpark_all()
+    return value
+
+
+@attrs.define(on_setattr=_stats_changed)
 class WorkerStats:
-    """Counters since the worker started; for tests, `status` and benchmarks."""
+    """
+    Counters since the worker started; for tests, `status` and benchmarks.
+
+    Every assignment wakes whoever waits in `Worker.wait_for`, whichever counter
+    it is (`running` and `buffered` change without any other signal).
+    """
 
     drains_started: int = 0
     drains_completed: int = 0
@@ -111,6 +126,11 @@ class WorkerStats:
     notifications: int = 0
     #: Finished jobs deleted by the retention prune of the recovery tick.
     pruned: int = 0
+    #: Claims whose answer was lost (no answer in time, or the connection broke):
+    #: the jobs they took were found by the claim's token and given back.
+    lost_claims: int = 0
+    _changed_lot: trio.lowlevel.ParkingLot | None = attrs.field(
+        default=None, repr=False, eq=False, alias="_changed_lot")
 
 
 @attrs.frozen
@@ -186,10 +206,14 @@ class Worker:
         # Statements of the fetcher in flight, and the jobs their claims may take.
         self._in_flight = 0
         self._reserved = 0
+        # Claims whose answer was lost, waiting to be resolved, and resolutions
+        # under way: what they took is given back (`JobStore.resolve_lost_claim`).
+        self._lost_claims: list[LostClaim] = []
+        self._resolving = 0
         self._stop = trio.Event()
         self._started = False
-        self._changed = trio.Event()
-        self.stats = WorkerStats()
+        self._changed = trio.lowlevel.ParkingLot()
+        self.stats = WorkerStats(_changed_lot=self._changed)
 
     # -- signals -----------------------------------------------------------
 
@@ -223,7 +247,7 @@ class Worker:
         while not (self.stats.drains_completed >= target and self._idle()):
             if self._stop.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
-            await self._changed.wait()
+            await self._changed.park()
 
     async def wait_for(self, condition: Callable[[WorkerStats], bool]) -> None:
         """
@@ -233,17 +257,18 @@ class Worker:
         ``lambda s: s.done >= 3``) instead of sleeping and hoping.
         """
         while not condition(self.stats):
-            await self._changed.wait()
+            await self._changed.park()
 
     def _idle(self) -> bool:
         """Nothing in hand and nothing about to start: no drain running or asked for."""
         stats = self.stats
         return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
-                and not self._draining and not self._woken and not self._in_flight)
+                and not self._draining and not self._woken and not self._in_flight
+                and not self._lost_claims and not self._resolving)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        """Wake `drain_once` and `wait_for` (counters do so by themselves)."""
+        self._changed.unpark_all()
 
     def _kick(self) -> None:
         self._kicked.set()
@@ -260,7 +285,7 @@ class Worker:
         if self._started:
             raise RuntimeError("a Worker runs once; create a new one")
         self._started = True
-        if await self._until_success("startup recovery", self._recover) is None:
+        if not await self._startup_recovery():
             task_status.started()  # stopped before the database ever answered
             log.info("worker stopped before it started")
             return
@@ -365,9 +390,12 @@ class Worker:
                     finish = await self._process(job)
                 except Exception:
                     # Not the executor (its crashes are handled in _process) and not
-                    # the database (final updates retry): a bug of ours. Keep the other
-                    # jobs running; this one stays in_progress for the recovery sweep.
-                    log.exception("job %s: internal error; left for the recovery sweep", job.id)
+                    # the database (final updates retry): a bug, ours or in a payload
+                    # type's code. Keep the other jobs running, and count it as a
+                    # crash of this job, so that it is retried or failed, never
+                    # left in_progress for the sweep.
+                    log.exception("job %s: internal error; counted as a crash", job.id)
+                    await self._reset_panicked_job(job, None)
                 finally:
                     # No checkpoint between the executor's return and this hand-over:
                     # a hard stop cannot come between them and lose the outcome.
@@ -435,7 +463,11 @@ class Worker:
         while True:
             free = self._in_flight < in_flight
             expired = self._buffer and self._oldest_claim() + ttl <= trio.current_time()
-            if self._buffer and (self._closing or expired):
+            if self._lost_claims:
+                for claim in self._lost_claims:
+                    statements.start_soon(self._resolve, claim)
+                self._lost_claims.clear()
+            elif self._buffer and (self._closing or expired):
                 await self._give_back(expired=not self._closing)
             elif self._finishes and free:
                 batch, self._finishes = self._finishes, []
@@ -444,7 +476,8 @@ class Worker:
             elif self._draining and free and self._claim_size():
                 want = self._claim_size()
                 statements.start_soon(self._send_claim, want, self._begin(want))
-            elif self._closing and not self._slots_alive and not self._in_flight:
+            elif self._closing and not self._slots_alive and not self._in_flight \
+                    and not self._resolving:
                 return
             else:
                 deadline = self._oldest_claim() + ttl if self._buffer else math.inf
@@ -484,7 +517,12 @@ class Worker:
             # stop, would claim jobs that nobody takes if its answer is lost.
             nonlocal tries
             tries += 1
-            return await self._store.finish_many_and_claim(finishing, want if tries == 1 else 0)
+            try:
+                return await self._store.finish_many_and_claim(
+                    finishing, want if tries == 1 else 0)
+            except ClaimOutcomeUnknown as exc:
+                self._lost(exc)  # the claim is given back; the finishes are sent again
+                raise OutcomeUnknown(str(exc)) from exc
 
         try:
             statuses, claimed = await self._final("finish", send)
@@ -554,7 +592,7 @@ class Worker:
             jobs = [job for job, _ in self._buffer]
             self._buffer.clear()
         self.stats.buffered -= len(jobs)
-        with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+        with trio.CancelScope(shield=True):  # bounded by the store
             try:
                 self.stats.returned += await self._store.unclaim(jobs)
             except Exception as exc:
@@ -575,11 +613,20 @@ class Worker:
         one that cannot be sent in time is logged, and the sweep recovers its jobs.
         """
         self._closing = True
-        while self._buffer or self._finishes or self._slots_alive:
-            if self._buffer:
+        while self._lost_claims or self._buffer or self._finishes or self._slots_alive:
+            if self._lost_claims:
+                claim = self._lost_claims.pop()
+                with trio.move_on_after(2 * self.config.cleanup_timeout) as scope:
+                    await self._resolve(claim)
+                if scope.cancelled_caught:
+                    log.error("a claim whose answer was lost could not be resolved in time; "
+                              "its jobs wait for the recovery sweep")
+            elif self._buffer:
                 await self._give_back(expired=False)
             elif self._finishes:
                 batch, self._finishes = self._finishes, []
+                # One try, then one more after a backoff at most (a hard stop may be
+                # under way): each bounded by the store.
                 with trio.move_on_after(2 * self.config.cleanup_timeout) as scope:
                     await self._send_finishes(batch, 0, self._begin(0))
                 if scope.cancelled_caught:
@@ -593,23 +640,42 @@ class Worker:
 
     async def _claim(self, limit: int) -> list[ClaimedJob] | None:
         """
-        The claim, shielded and bounded: a hard stop must not cut it after the
-        server committed it, or the job would sit in_progress with no executor
-        until the sweep. None when it failed (logged; the drain stops).
+        The claim, shielded (and bounded by the store): a hard stop must not cut
+        it after the server committed it, or the job would sit in_progress with no
+        executor. None when it failed (logged; the drain stops); a claim whose
+        answer was lost is resolved (`_lost`).
         """
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(self.config.cleanup_timeout):
-                try:
-                    return await self._store.claim(limit)
-                except Exception as exc:
-                    self.stats.claim_errors += 1
-                    log.error("claim failed (%s); waiting for the next wake or poll",
-                              _one_line(exc), exc_info=not is_transient(exc))
-                    return None
-            self.stats.claim_errors += 1
-            log.error("claim took over %.1fs; waiting for the next wake or poll",
-                      self.config.cleanup_timeout)
+            try:
+                return await self._store.claim(limit)
+            except ClaimOutcomeUnknown as exc:
+                self.stats.claim_errors += 1
+                self._lost(exc)
+            except Exception as exc:
+                self.stats.claim_errors += 1
+                log.error("claim failed (%s); waiting for the next wake or poll",
+                          _one_line(exc), exc_info=not is_transient(exc))
         return None
+
+    def _lost(self, exc: ClaimOutcomeUnknown) -> None:
+        """A claim's answer was lost: the fetcher gives back what it took, at once."""
+        log.warning("a claim got no answer (%s); giving back whatever it took", _one_line(exc))
+        self._lost_claims.append(exc.claim)
+        self._kick()
+
+    async def _resolve(self, claim: LostClaim) -> None:
+        """Give back what a lost claim took (retried until the database answers)."""
+        self._resolving += 1
+        try:
+            given = await self._final("lost claim", lambda: self._store.resolve_lost_claim(claim))
+            self.stats.lost_claims += 1
+            self.stats.returned += given
+            if given:
+                self.wake()  # they are pending again: claim them (or let a replica)
+        finally:
+            self._resolving -= 1
+            self._kick()
+            self._notify()
 
     # -- one job --------------------------------------------------------------
 
@@ -623,18 +689,16 @@ class Worker:
         """
         if self._out_of_attempts(job):
             log.warning("job %s: attempt %d exceeds the cap; failing", job.id, job.attempt)
-            await self._fail(job, MAX_ATTEMPTS_EXCEEDED, own_build_id=_raw_build_id(job))
+            await self._fail(job, MAX_ATTEMPTS_EXCEEDED, own_build_id=None)
             return None
-        try:
-            payload = self._codec.decode(json.loads(job.payload))
-        except Exception as exc:  # any failure to parse is the payload's, not ours
-            log.warning("job %s: invalid payload: %s", job.id,
-                        exc if isinstance(exc, InvalidPayload) else type(exc).__name__)
-            await self._fail(job, INVALID_PAYLOAD, own_build_id=_raw_build_id(job))
+        payload = self._parse(job)
+        if payload is None:
+            # The build id comes from the row, read by PostgreSQL (`job_fail`).
+            await self._fail(job, INVALID_PAYLOAD, own_build_id=None)
             return None
         if job.target_soft_deleted:
             log.warning("job %s (%s %s): target agent is deleted; not running", job.id,
-                        payload.kind, payload.label())
+                        payload.kind, _label(payload))
             await self._fail(job, TARGET_DELETED, own_build_id=payload.build_id, terminalize=False)
             return None
         executor = self.executors.executor_for(payload.kind)
@@ -648,16 +712,16 @@ class Worker:
             target=Target(agent_id=job.agent_id, connector_id=job.connector_id),
             db=self.queue.db,
         )
-        label = f"{payload.kind} {payload.label()}"
+        label = f"{payload.kind} {_label(payload)}"
         log.info("job %s (%s): attempt %d starting", job.id, label, job.attempt)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(executor, ctx)
         except Exception as exc:  # the executor raised: an ExceptionGroup from its nursery
             self.stats.panicked += 1
-            log.error("job %s (%s %s) panicked on attempt %d", job.id, payload.kind,
-                      payload.label(), job.attempt, exc_info=exc)
-            await self._reset_panicked_job(job, payload)
+            log.error("job %s (%s) panicked on attempt %d", job.id, label, job.attempt,
+                      exc_info=exc)
+            await self._reset_panicked_job(job, payload.build_id)
             return None
         except BaseException:
             # Cancelled: a hard stop. The job never finished; hand it back now.
@@ -665,11 +729,29 @@ class Worker:
             raise
         return _Finish(job=job, build_id=payload.build_id, label=label)
 
+    def _parse(self, job: ClaimedJob) -> Payload | None:
+        """
+        The job's payload, or None (logged) when it is not one: whatever the
+        row holds — JSON no payload type accepts, nesting deep enough to exhaust
+        Python's recursion limit, a payload over `max_payload_bytes` that the
+        claim did not even send — fails this job alone.
+        """
+        if job.payload is None:
+            log.warning("job %s: invalid payload: over max_payload_bytes (%d)", job.id,
+                        self.config.max_payload_bytes)
+            return None
+        try:
+            return self._codec.decode(json.loads(job.payload))
+        except Exception as exc:  # RecursionError included: any failure is the payload's
+            log.warning("job %s: invalid payload: %s", job.id,
+                        exc if isinstance(exc, InvalidPayload) else type(exc).__name__)
+            return None
+
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
         """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""
         return job.old_attempt >= self.config.max_attempts
 
-    async def _reset_panicked_job(self, job: ClaimedJob, payload: Payload) -> None:
+    async def _reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
         """
         SPEC §5 [decision]: the documented rule, old_attempt + 1 >= MAX_ATTEMPTS fails.
 
@@ -678,8 +760,9 @@ class Worker:
         of the queue, and this drain retries it at once.
         """
         if job.old_attempt + 1 >= self.config.max_attempts:
-            await self._fail(job, JOB_PANICKED, own_build_id=payload.build_id)
-        elif await self._final("reset", lambda: self._store.reset(job)):
+            await self._fail(job, JOB_PANICKED, own_build_id=build_id)
+        else:
+            await self._final("reset", lambda: self._store.reset(job))
             # Retry at once. With one slot the drain's next claim takes it anyway;
             # with more, the drain may already have ended, so ask for another.
             self.wake()
@@ -702,7 +785,8 @@ class Worker:
             self.stats.failed += 1
 
     async def _release(self, job: ClaimedJob) -> None:
-        with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+        # Shielded; bounded by the store (cleanup_timeout on both sides of the bridge).
+        with trio.CancelScope(shield=True):
             try:
                 if await self._store.reset(job):
                     self.stats.released += 1
@@ -722,22 +806,21 @@ class Worker:
         A final update: retried with backoff until it succeeds (SPEC §5 [decision]).
 
         A finished job's result must not be lost, or the sweep would run the
-        build again. So each attempt is shielded from a hard stop (bounded by
-        `cleanup_timeout`); only the wait between attempts can be cancelled, and
-        then one last attempt is made. When the database keeps rejecting `op`
-        on its merits (not an outage), `fallback` takes over after
-        `terminalize_tries` attempts.
+        build again. So each attempt is shielded from a hard stop (and bounded
+        by `cleanup_timeout` in the store, on both sides of the trio/asyncio
+        bridge); only the wait between attempts can be cancelled, and then one
+        last attempt is made. When the database keeps rejecting `op` on its
+        merits (not an outage), `fallback` takes over after `terminalize_tries`
+        attempts.
         """
         delay = self.config.retry_initial_delay
         rejected = 0
         while True:
-            failure: BaseException = trio.TooSlowError(
-                f"took over {self.config.cleanup_timeout}s")
-            with trio.CancelScope(shield=True), trio.move_on_after(self.config.cleanup_timeout):
+            with trio.CancelScope(shield=True):
                 try:
                     return await op()
                 except Exception as exc:
-                    failure = exc
+                    failure: BaseException = exc
             if not is_transient(failure):
                 rejected += 1
                 if fallback is not None and rejected >= self.config.terminalize_tries:
@@ -750,8 +833,7 @@ class Worker:
             try:
                 await trio.sleep(delay)
             except trio.Cancelled:
-                with trio.CancelScope(shield=True), \
-                        trio.move_on_after(self.config.cleanup_timeout):
+                with trio.CancelScope(shield=True):
                     try:
                         await op()
                     except Exception:
@@ -843,26 +925,41 @@ class Worker:
                 if next_tick <= now:
                     next_tick += period
 
-    async def _until_success(self, what: str, op: Callable[[], Awaitable[T]]) -> T | None:
-        """Retry `op` with backoff until it succeeds; None if `stop()` came first."""
+    async def _startup_recovery(self) -> bool:
+        """
+        The sweep before `started()` (SPEC §5), retried with backoff while the
+        database is away; False if `stop()` came first.
+
+        Only an outage is waited for. An error the database gives on its merits
+        (a bug, a table it refuses) is logged and the worker starts anyway: the
+        sweep runs again at every recovery tick, and one bad row must never keep
+        every replica from starting.
+        """
         delay = self.config.retry_initial_delay
         while True:
             try:
-                return await op()
+                await self._recover()
+                return True
             except Exception as exc:
-                log.warning("%s failed (%s); retrying in %.2fs", what, _one_line(exc), delay)
+                if not is_transient(exc):
+                    log.error("startup recovery failed (%s); starting anyway, the next "
+                              "recovery tick tries again", _one_line(exc), exc_info=exc)
+                    return True
+                log.warning("startup recovery failed (%s); retrying in %.2fs",
+                            _one_line(exc), delay)
             with trio.move_on_after(delay):
                 await self._stop.wait()
             if self._stop.is_set():
-                return None
+                return False
             delay = min(delay * 2, self.config.retry_max_delay)
 
 
-def _raw_build_id(job: ClaimedJob) -> UUID | None:
+def _label(payload: Payload) -> str:
+    """`payload.label()`, for logs; a bug in a payload type's label is not the job's end."""
     try:
-        return raw_build_id(json.loads(job.payload))
-    except ValueError:
-        return None
+        return payload.label()
+    except Exception as exc:
+        return f"<label() raised {type(exc).__name__}>"
 
 
 def _one_line(exc: BaseException) -> str:

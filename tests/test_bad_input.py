@@ -7,7 +7,8 @@ Bad input (SPEC §2, §5 step 2): it fails its own job, with a reason, and nothi
   nasty strings where strings are allowed. A real worker process fails each bad one
   'invalid job payload' (target terminalized) and runs every valid one, and is still
   running at the end.
-* A payload over the size limit is refused at enqueue with an error that says why.
+* A payload over the size limit is refused at enqueue with an error that says why;
+  one that another writer put in the table fails as invalid, without being read.
 * A wrong DSN ends the `worker` command with one line, not a traceback.
 """
 
@@ -30,6 +31,7 @@ from hypothesis import strategies as st
 
 from nasiko_queue import Database, PayloadTooLarge, Queue, QueueConfig, open_database
 from nasiko_queue.cli import main
+from nasiko_queue.config import MAX_PAYLOAD_BYTES
 from nasiko_queue.errors import InvalidPayload
 from nasiko_queue.jobs import INVALID_PAYLOAD
 from nasiko_queue.payloads import PayloadCodec
@@ -210,8 +212,13 @@ async def _run_batch(dsn: str, bad: list[tuple[str, str, Any]],
         problems = []
         for (is_valid, kind, payload), (job_id, t) in zip(order, rows, strict=True):
             row = await db.fetchrow(
-                "SELECT status, attempt, error_msg FROM build_jobs WHERE id = $1", job_id)
+                "SELECT status, attempt, error_msg, octet_length(payload::text) AS size "
+                "FROM build_jobs WHERE id = $1", job_id)
             got = None if row is None else (row["status"], row["attempt"], row["error_msg"])
+            if is_valid and row is not None and row["size"] > MAX_PAYLOAD_BYTES:
+                # Valid, but larger than enqueue allows (another writer put it there):
+                # the claim does not even send it, and it fails as invalid.
+                is_valid = False
             if is_valid:
                 want = ("done", 1, None)
                 ran = [(r.attempt, r.finished) for r in runs.get(job_id, [])]

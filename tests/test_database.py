@@ -136,7 +136,8 @@ async def test_queue_statements_keep_generic_plans_and_application_sql_does_not(
     assert await db.fetchval("SHOW plan_cache_mode") == "auto"
 
 
-@pytest.mark.parametrize("name", ["job_claim", "jobs_finish_many_and_claim", "jobs_unclaim"])
+@pytest.mark.parametrize("name", ["job_claim", "jobs_finish_many_and_claim", "jobs_unclaim",
+                                  "jobs_unclaim_lost"])
 async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     queue: Queue, name: str
 ) -> None:
@@ -157,11 +158,14 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     kinds = "'{Upload}'::text[]"
     ids = "ARRAY[gen_random_uuid()]"
     calls = {
-        "job_claim": ("int, text[], text[]", f"10, {kinds}, {kinds}"),
+        "job_claim": ("int, text[], text[], int, uuid",
+                      f"10, {kinds}, {kinds}, 1000, gen_random_uuid()"),
         "jobs_finish_many_and_claim": (
-            "uuid[], int[], boolean[], uuid[], text, int, text[], text[]",
-            f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}"),
-        "jobs_unclaim": ("uuid[], int[]", f"{ids}, ARRAY[1]"),
+            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid",
+            f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
+            "gen_random_uuid()"),
+        "jobs_unclaim": ("uuid[], int[], text", f"{ids}, ARRAY[1], 'ch'"),
+        "jobs_unclaim_lost": ("uuid, int, text", "gen_random_uuid(), 60, 'ch'"),
     }
     types, args = calls[name]
 

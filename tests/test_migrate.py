@@ -24,13 +24,13 @@ def test_files_are_found_in_order() -> None:
 
 async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
     async with open_database(empty_dsn) as db:
-        assert await migrate(db) == ["0001", "0003", "0004", "0005"]
+        assert await migrate(db) == ["0001", "0003", "0004", "0005", "0006"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
         assert [(r["version"], r["name"]) for r in recorded] == [
             ("0001", "schema"), ("0003", "mcp"), ("0004", "jobs_agent_index"),
-            ("0005", "queue_autovacuum")]
+            ("0005", "queue_autovacuum"), ("0006", "claim_token")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "
@@ -40,6 +40,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
         assert cols["attempt"][1:] == ("NO", "0")
         assert cols["agent_id"][1] == "YES"
         assert cols["connector_id"][1] == "YES"
+        assert cols["claim_token"] == ("uuid", "YES", None)  # 0006
         indexes = {r["indexname"]: r["indexdef"] for r in await db.fetch(
             "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'build_jobs'")}
         assert "WHERE (status = ANY" in indexes["build_jobs_work_queue"]
@@ -75,7 +76,7 @@ async def test_concurrent_migrators_apply_each_file_once(empty_dsn: str) -> None
     async with trio.open_nursery() as nursery:
         for _ in range(4):
             nursery.start_soon(one)
-    assert sorted(map(tuple, results)) == [(), (), (), ("0001", "0003", "0004", "0005")]
+    assert sorted(map(tuple, results)) == [(), (), (), ("0001", "0003", "0004", "0005", "0006")]
 
 
 async def test_a_failing_migration_rolls_back_whole(empty_dsn: str) -> None:

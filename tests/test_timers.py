@@ -94,6 +94,9 @@ class FakeStore:
     async def reset(self, job: ClaimedJob) -> bool:
         return True
 
+    async def resolve_lost_claim(self, claim: Any) -> int:
+        return 0
+
     async def recover(self) -> RecoveryResult:
         self.recoveries.append(trio.current_time())
         if self.recover_fails:

@@ -631,10 +631,10 @@ async def test_crash_is_retried_at_once_with_several_slots(db: Any) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class Broken(Payload):
-    """A user's payload type whose label() raises: a bug outside the executor."""
+class BadLabel(Payload):
+    """A user's payload type whose label() raises: a bug in a log line's helper."""
 
-    kind: ClassVar[str] = "Broken"
+    kind: ClassVar[str] = "BadLabel"
     build_id: uuid.UUID
     agent_id: uuid.UUID
     owner_id: uuid.UUID
@@ -649,20 +649,62 @@ class Broken(Payload):
         return self.owner_id
 
 
-async def test_an_internal_error_does_not_kill_the_worker(queue: Queue) -> None:
-    """A bug around a job (here the payload's own label()) is logged; the job is left
-    for the sweep; the loop and the next job go on."""
+@attrs.frozen(kw_only=True)
+class BadBuildId(Payload):
+    """A user's payload type whose build_id raises once the executor has returned."""
+
+    kind: ClassVar[str] = "BadBuildId"
+    agent_id: uuid.UUID
+    owner_id: uuid.UUID
+
+    @property
+    def build_id(self) -> uuid.UUID:
+        raise RuntimeError("build_id bug")
+
+    def label(self) -> str:
+        return "bad-build-id"
+
+    def target(self) -> Target:
+        return Target(agent_id=self.agent_id)
+
+    def job_owner(self) -> uuid.UUID | None:
+        return self.owner_id
+
+
+async def test_a_label_that_raises_does_not_stop_the_job(queue: Queue) -> None:
+    """label() is only for log lines: its bug is shown in the log, the job runs."""
     executors = executors_for_all(succeed)
-    executors.register(Broken, succeed)
+    executors.register(BadLabel, succeed)
     owner = uuid.uuid4()
     agent = await insert_agent(queue.db, owner_id=owner)
     build = await insert_agent_build(queue.db, agent)
-    broken = await queue.enqueue(Broken(build_id=build, agent_id=agent, owner_id=owner))
+    job_id = await queue.enqueue(BadLabel(build_id=build, agent_id=agent, owner_id=owner))
+    async with running(queue, executors) as worker:
+        await worker.drain_once()
+    assert (await job_row(queue.db, job_id) or {})["status"] == "done"
+
+
+async def test_an_internal_error_counts_as_a_crash_and_the_worker_goes_on(queue: Queue) -> None:
+    """A bug around a job (here the payload type's own build_id, read once the executor
+    has returned) is logged and counted as a crash of that job: retried, then failed
+    for good; never left in_progress for the sweep. The loop and the next job go on."""
+    runs: list[int] = []
+
+    async def run(ctx: JobContext[Any]) -> None:
+        runs.append(ctx.attempt)
+
+    executors = executors_for_all(succeed)
+    executors.register(BadBuildId, run)
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    broken = await queue.enqueue(BadBuildId(agent_id=agent, owner_id=owner))
     good = await enqueue_with_target(queue, "Upload")
     async with running(queue, executors) as worker:
         await worker.drain_once()
     assert (await job_row(queue.db, good.job_id) or {})["status"] == "done"
-    assert (await job_row(queue.db, broken) or {})["status"] == "in_progress"
+    assert runs == [1, 2, 3]
+    assert await job_row(queue.db, broken) is None  # failed for good: its agent, never
+    # built, was deleted with it (terminalized)
 
 
 async def test_other_kinds_are_left_for_the_replicas_that_run_them(db: Any) -> None:

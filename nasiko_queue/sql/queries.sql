@@ -14,10 +14,14 @@ RETURNING id;
 -- name: job_claim
 -- Take up to $1 of the oldest pending jobs whose kind this worker runs ($2), or
 -- whose kind no payload type knows ($3 = every known kind; those fail as
--- invalid). Returns the attempt from before the increment, and whether the
--- target agent is soft-deleted, so that no second round trip is needed.
+-- invalid), and mark them with this claim's token ($5), so that a claim whose
+-- answer is lost can be found and undone (`jobs_unclaim_lost`). Returns the
+-- attempt from before the increment, and whether the target agent is
+-- soft-deleted, so that no second round trip is needed. A payload larger than
+-- $4 bytes (written by another writer: enqueue refuses them) comes back NULL,
+-- to fail as invalid without being sent or parsed.
 UPDATE build_jobs AS j
-SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $5
 -- The ids as an array, not a join: every plan of this statement, generic ones
 -- included (where the planner guesses LIMIT $1 at a tenth of the table), then
 -- fetches the claimed rows by primary key instead of hashing a scan of the table.
@@ -30,50 +34,70 @@ WHERE j.id = ANY (ARRAY(
     ORDER BY created_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))
-RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
+RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+          CASE WHEN octet_length(j.payload::text) <= $4 THEN j.payload::text END AS payload,
           j.attempt - 1 AS old_attempt, j.created_at,
           -- A scalar subquery, so one primary-key probe per claimed row: the
           -- EXISTS form was planned as a hashed subplan scanning every agent.
           coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
                    false) AS target_soft_deleted;
 
--- name: job_mark
--- Finish a claimed job with a fixed status and message (completed_at = now(),
--- picked_at keeps the claim time). Only the claim that is still ours is touched.
+-- name: job_fail
+-- Fail a claimed job with a fixed message (completed_at = now(), picked_at keeps
+-- the claim time). Only the claim that is still current is touched ($1 id, $2
+-- attempt); the sweep passes $4, the stuck threshold in minutes, so that a job
+-- finished or handed on since it was chosen is left alone. Returns the target
+-- and, for the job's own build row, the payload's build ids as text: read by
+-- PostgreSQL, so a payload Python cannot parse still names its build.
 UPDATE build_jobs
-SET status = $3, error_msg = $4, completed_at = now()
+SET status = 'failed', error_msg = $3, completed_at = now()
 WHERE id = $1 AND status = 'in_progress' AND attempt = $2
-RETURNING agent_id, connector_id;
+  AND ($4::int IS NULL OR picked_at < now() - make_interval(mins => $4))
+RETURNING agent_id, connector_id, payload ->> 'kind' AS kind,
+          payload ->> 'build_id' AS build_id, payload ->> 'rollback_build_id' AS rollback_build_id;
+
+-- name: agent_lock
+-- Lock order, step 1 of every transaction that may terminalize a target: the
+-- target first, then the job row, then its builds. Two replicas failing two jobs
+-- of one agent then queue on the agent instead of deadlocking (the agent's delete
+-- cascades to the other job's row). No row: the agent, and so the job, is gone.
+SELECT id FROM agents WHERE id = $1 FOR UPDATE;
+
+-- name: connector_lock
+-- As `agent_lock`, for a connector.
+SELECT id FROM mcp_connectors WHERE id = $1 FOR UPDATE;
 
 -- name: job_reset_to_pending
 -- Put a claimed job back at the front of the queue: after a panic with attempts
 -- left, or when a hard stop cancels its executor. The attempt stays counted.
-UPDATE build_jobs
-SET status = 'pending', picked_at = NULL
-WHERE id = $1 AND status = 'in_progress' AND attempt = $2
-RETURNING id;
-
--- name: jobs_fail_exhausted_stuck
--- Recovery 1: stuck past the threshold ($1 minutes) with no attempts left ($2 =
--- MAX_ATTEMPTS): failed with $3. Rows another session holds (a worker finishing
--- the job, another replica's sweep) are skipped, so no target is terminalized twice.
-WITH stuck AS (
-    SELECT id
-    FROM build_jobs
-    WHERE status = 'in_progress'
-      AND picked_at < now() - make_interval(mins => $1)
-      AND attempt >= $2
-    ORDER BY id
-    FOR UPDATE SKIP LOCKED
+-- NOTIFYs channel $3 (when not NULL) if the job went back, so that another
+-- replica takes it at once instead of at its next poll.
+WITH reset AS (
+    UPDATE build_jobs
+    SET status = 'pending', picked_at = NULL, claim_token = NULL
+    WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+    RETURNING id
 )
-UPDATE build_jobs AS j
-SET status = 'failed', error_msg = $3, completed_at = now()
-FROM stuck
-WHERE j.id = stuck.id
-RETURNING j.id, j.agent_id, j.connector_id, j.payload::text AS payload;
+SELECT id, CASE WHEN $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified FROM reset;
+
+-- name: jobs_stuck_exhausted
+-- Recovery 1, the choice: up to $4 jobs stuck past the threshold ($1 minutes)
+-- with no attempts left ($2 = MAX_ATTEMPTS), leaving out $3 (jobs this sweep
+-- already tried). Each is then failed in a transaction of its own (`job_fail`
+-- with the threshold), so one job's target can never hold back the others'.
+SELECT id, attempt, agent_id, connector_id
+FROM build_jobs
+WHERE status = 'in_progress'
+  AND picked_at < now() - make_interval(mins => $1)
+  AND attempt >= $2
+  AND NOT (id = ANY ($3::uuid[]))
+ORDER BY picked_at, id
+LIMIT $4;
 
 -- name: jobs_reset_stuck
--- Recovery 2: stuck past the threshold with attempts left: back to pending.
+-- Recovery 2: stuck past the threshold with attempts left: back to pending, and
+-- a NOTIFY on $3 (when not NULL) if any went back. Rows another session holds
+-- (a worker finishing the job) are skipped.
 WITH stuck AS (
     SELECT id
     FROM build_jobs
@@ -82,12 +106,16 @@ WITH stuck AS (
       AND attempt < $2
     ORDER BY id
     FOR UPDATE SKIP LOCKED
+), reset AS (
+    UPDATE build_jobs AS j
+    SET status = 'pending', picked_at = NULL, claim_token = NULL
+    FROM stuck
+    WHERE j.id = stuck.id
+    RETURNING j.id
 )
-UPDATE build_jobs AS j
-SET status = 'pending', picked_at = NULL
-FROM stuck
-WHERE j.id = stuck.id
-RETURNING j.id;
+SELECT count(*) AS reset,
+       CASE WHEN count(*) > 0 AND $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
+FROM reset;
 
 -- name: agent_builds_fail_unfinished
 -- Terminalize an agent, step 1: its builds in 'building', and this job's own
@@ -310,9 +338,10 @@ WHERE j.id = old.id;
 -- for, in one round trip: the worker's fetcher sends it with every finish queued
 -- since its previous statement. Finish every job of the batch
 -- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
--- claim up to $6 next jobs ($7, $8 as in job_claim), in one round trip. Rows
--- with finished_id set report a finish (finished_status NULL: gone or no
--- longer ours); rows with id set are claimed jobs.
+-- claim up to $6 next jobs ($7, $8, $9, $10 as $2-$5 of job_claim). Rows with
+-- finished_id set report a finish (finished_status: what the row holds for
+-- that attempt now, NULL when gone or no longer ours; a retried batch thus
+-- reports what its first try wrote); rows with id set are claimed jobs.
 WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
         AS i(id, attempt, is_connector, build_id)
@@ -333,7 +362,7 @@ WITH input AS (
     RETURNING j.id, j.status
 ), claimed AS (
     UPDATE build_jobs AS j
-    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1
+    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10
     WHERE j.id = ANY (ARRAY(  -- as in job_claim
         SELECT id
         FROM build_jobs
@@ -343,12 +372,16 @@ WITH input AS (
         ORDER BY created_at
         LIMIT $6
         FOR UPDATE SKIP LOCKED))
-    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id, j.payload::text AS payload,
+    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+              CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
               j.attempt - 1 AS old_attempt, j.created_at,
               coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a
                         WHERE a.id = j.agent_id), false) AS target_soft_deleted
 )
-SELECT i.id AS finished_id, f.status AS finished_status,
+SELECT i.id AS finished_id,
+       coalesce(f.status, (SELECT c.status FROM build_jobs AS c
+                           WHERE c.id = i.id AND c.attempt = i.attempt
+                             AND c.status IN ('done', 'failed'))) AS finished_status,
        NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
        NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
        NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
@@ -361,13 +394,47 @@ FROM claimed AS c;
 -- name: jobs_unclaim
 -- Give back jobs that were claimed but never started (prefetched, or claimed
 -- for a slot that went away): back to pending with the attempt restored, since
--- they never ran ($1 ids, $2 the attempts the claim gave them). Returns the
--- rows given back; one the sweep has meanwhile handed on is left alone.
-UPDATE build_jobs AS j
-SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1
-FROM unnest($1::uuid[], $2::int[]) AS b(id, attempt)
-WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
-RETURNING j.id;
+-- they never ran ($1 ids, $2 the attempts the claim gave them), and a NOTIFY on
+-- $3 (when not NULL) so that an idle replica takes them at once. Returns how
+-- many went back; a row the sweep has meanwhile handed on is left alone.
+WITH given AS (
+    UPDATE build_jobs AS j
+    SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1, claim_token = NULL
+    FROM unnest($1::uuid[], $2::int[]) AS b(id, attempt)
+    WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
+    RETURNING j.id
+)
+SELECT count(*) AS given_back,
+       CASE WHEN count(*) > 0 AND $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
+FROM given;
+
+-- name: jobs_unclaim_lost
+-- Undo a claim whose answer was lost ($1, its token): whatever it took goes
+-- back to pending with the attempt restored (it never reached an executor),
+-- with a NOTIFY on $3 (when not NULL). Run only once the server process that
+-- received the claim has gone (`backend_end`), so that the claim is settled.
+-- $2 (the stuck threshold, minutes) keeps it off a row that the sweep has since
+-- handed to a replica whose claims set no token.
+WITH given AS (
+    UPDATE build_jobs
+    SET status = 'pending', picked_at = NULL, attempt = attempt - 1, claim_token = NULL
+    WHERE claim_token = $1 AND status = 'in_progress'
+      AND picked_at >= now() - make_interval(mins => $2)
+    RETURNING id
+)
+SELECT count(*) AS given_back,
+       CASE WHEN count(*) > 0 AND $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
+FROM given;
+
+-- name: backend_end
+-- Make sure a server process has gone: ask it to end and wait up to $2 ms. A
+-- statement it received is then settled (committed or rolled back), never still
+-- on its way. Warns (does not fail) when there is no such process.
+SELECT pg_terminate_backend($1, $2);
+
+-- name: backend_alive
+-- Whether a server process is still there (after `backend_end` timed out).
+SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1);
 
 -- name: queue_notify
 -- Wake every listening worker (jobs went back to pending outside an enqueue).

@@ -1,0 +1,102 @@
+"""
+A TCP proxy in front of PostgreSQL, for tests of a network that misbehaves.
+
+The proxy is the executor's "outside world" of the database layer: the server
+and the driver stay real, only the wire between them is slowed or stopped, as a
+slow network, a loaded server or a connection that hangs without a reset would.
+
+* `freeze()` stops forwarding on every connection open at that moment, in both
+  directions, without closing anything (a hung connection: no RST, no FIN);
+  connections opened afterwards flow normally.
+* `delay_replies(seconds)` holds every chunk the server sends, on every
+  connection, for that long before passing it on (a late answer). The client's
+  own bytes still go straight through, so the server does the work and commits.
+* `restore()` undoes both.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+import attrs
+import trio
+
+
+@attrs.define(eq=False)
+class _Link:
+    frozen: bool = False
+    thawed: trio.Event = attrs.Factory(trio.Event)
+
+
+class Proxy:
+    """Forwards 127.0.0.1:`port` to the server named by `dsn`; see the module docstring."""
+
+    def __init__(self, dsn: str) -> None:
+        parts = urlsplit(dsn)
+        self._target = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        self._dsn = dsn
+        self._links: set[_Link] = set()
+        self._reply_delay = 0.0
+        self.port = 0
+        #: Connections accepted so far.
+        self.accepted = 0
+
+    def dsn(self) -> str:
+        """The same DSN, through the proxy."""
+        parts = urlsplit(self._dsn)
+        netloc = parts.netloc.rsplit("@", 1)
+        auth = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{self.port}"))
+
+    def freeze(self) -> None:
+        for link in self._links:
+            link.frozen = True
+
+    def delay_replies(self, seconds: float) -> None:
+        self._reply_delay = seconds
+
+    def restore(self) -> None:
+        self._reply_delay = 0.0
+        for link in self._links:
+            link.frozen = False
+            link.thawed.set()
+            link.thawed = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(self._serve, listeners, handler_nursery=nursery)
+
+    async def _serve(self, client: trio.SocketStream) -> None:
+        self.accepted += 1
+        link = _Link()
+        self._links.add(link)
+        try:
+            server = await trio.open_tcp_stream(*self._target)
+        except OSError:
+            await client.aclose()
+            return
+        try:
+            async with client, server, trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, client, server, link, False, nursery.cancel_scope)
+                nursery.start_soon(self._pump, server, client, link, True, nursery.cancel_scope)
+        finally:
+            self._links.discard(link)
+
+    async def _pump(self, src: trio.SocketStream, dst: trio.SocketStream, link: _Link,
+                    reply: bool, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                data = await src.receive_some(65536)
+                if not data:
+                    break
+                while link.frozen:
+                    await link.thawed.wait()
+                if reply and self._reply_delay:
+                    await trio.sleep(self._reply_delay)  # the slow network itself
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        scope.cancel()
