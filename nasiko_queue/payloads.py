@@ -146,8 +146,13 @@ def _check_env(_inst: object, attr: "attrs.Attribute[Mapping[str, str]]", value:
 def _check_secrets(
     _inst: object, attr: "attrs.Attribute[Mapping[str, Secret]]", value: Any
 ) -> None:
-    if not all(type(k) is str and isinstance(v, Secret) for k, v in value.items()):
-        raise InvalidPayload(f"field '{attr.name}': keys must be strings and values Secrets")
+    if not (
+        isinstance(value, Mapping)
+        and all(type(k) is str and isinstance(v, Secret) for k, v in value.items())
+    ):
+        raise InvalidPayload(
+            f"field '{attr.name}': keys must be strings and values Secrets or strings"
+        )
 
 
 # Two converters, not one generic: mypy's attrs plugin types __init__ from the converter's
@@ -156,8 +161,16 @@ def _copy_env(value: Mapping[str, str]) -> dict[str, str]:
     return dict(value)
 
 
-def _copy_secrets(value: Mapping[str, Secret]) -> dict[str, Secret]:
-    return dict(value)
+def _to_secrets(value: Mapping[str, str | Secret]) -> dict[str, Secret]:
+    """
+    Copy a sealed field's map, wrapping plain `str` values into `Secret`, so that
+    ``env={"LOG_LEVEL": "info"}`` builds a payload as readily as ``Secret("info")`` does.
+    Anything else is left for the validator to refuse.
+    """
+    raw: object = value
+    if not isinstance(raw, Mapping):
+        return cast(dict[str, Secret], raw)
+    return {k: Secret(v) if isinstance(v, str) else v for k, v in raw.items()}
 
 
 def _ports_field() -> Any:
@@ -384,7 +397,7 @@ class McpServerUpload(Payload):
     source: McpSource
     image_tag: str
     env: Mapping[str, Secret] = attrs.field(
-        converter=_copy_secrets, validator=_check_secrets, hash=False, metadata={SEALED: True}
+        converter=_to_secrets, validator=_check_secrets, hash=False, metadata={SEALED: True}
     )
 
     def label(self) -> str:

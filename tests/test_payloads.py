@@ -340,11 +340,12 @@ class TestInvalid:
         assert isinstance(data, Clone)
         with pytest.raises(InvalidPayload, match="env"):
             attrs.evolve(data, env={"A": 1})  # type: ignore[dict-item]
-        with pytest.raises(InvalidPayload, match="env"):
-            McpServerUpload(
-                build_id=UUID(B), connector_id=UUID(C), owner_id=UUID(OWN), name="n",
-                source=ZipSource("z"), image_tag="t", env={"K": "plain"},  # type: ignore[dict-item]
-            )  # fmt: skip
+        for bad in ({"K": 5}, {"K": None}, {5: "v"}, ["K"]):
+            with pytest.raises(InvalidPayload, match="env"):
+                McpServerUpload(
+                    build_id=UUID(B), connector_id=UUID(C), owner_id=UUID(OWN), name="n",
+                    source=ZipSource("z"), image_tag="t", env=bad,  # type: ignore[arg-type]
+                )  # fmt: skip
 
 
 class TestRawBuildId:

@@ -32,7 +32,7 @@ def box() -> SecretBox:
     return SecretBox(KEY)
 
 
-def mcp(env: Mapping[str, Secret]) -> McpServerUpload:
+def mcp(env: Mapping[str, str | Secret]) -> McpServerUpload:
     return McpServerUpload(
         build_id=UUID("33333333-3333-4333-8333-333333333333"),
         connector_id=UUID("44444444-4444-4444-8444-444444444444"),
@@ -175,6 +175,19 @@ class TestSealedFields:
         assert set(encoded["env"]) == {"API_KEY", "OTHER"}
         assert box.open(OWNER, "API_KEY", encoded["env"]["API_KEY"]) == PLAINTEXT
         assert codec.decode(json.loads(text)) == payload
+
+    def test_plain_strings_are_wrapped_into_secrets(self, box: SecretBox) -> None:
+        """A sealed field takes plain `str` values too (typed so for mypy) and holds them as
+        Secrets: hidden by repr, sealed by the codec, equal to the payload built with Secrets."""
+        payload = mcp({"API_KEY": PLAINTEXT, "OTHER": Secret("second")})
+        assert dict(payload.env) == {"API_KEY": Secret(PLAINTEXT), "OTHER": Secret("second")}
+        assert all(type(v) is Secret for v in payload.env.values())
+        assert payload == mcp({"API_KEY": Secret(PLAINTEXT), "OTHER": Secret("second")})
+        assert PLAINTEXT not in repr(payload)
+        codec = PayloadCodec(secrets=box)
+        encoded = codec.encode(payload)
+        assert PLAINTEXT not in json.dumps(encoded)
+        assert codec.decode(encoded) == payload
 
     def test_encode_without_box_raises(self) -> None:
         with pytest.raises(SecretsNotConfigured):
