@@ -117,6 +117,13 @@ class QueueConfig:
     #: When set, the worker's recovery tick also deletes done/failed jobs whose
     #: `completed_at` is older than this (`nasiko_queue.retention.prune`).
     retention: timedelta | None = attrs.field(default=None, validator=_retention)
+    #: Whether `enqueue` seals the `env` values of Upload, Clone and GithubClone (SPEC §2
+    #: [decision]; McpServerUpload's are always sealed). Turn it off only while replicas
+    #: running the original worker's code share the table: they read those values as
+    #: plaintext and would hand a sealed token to the build as the value. Off, the values
+    #: sit in the table in plaintext and no master key is needed for them. Either way,
+    #: workers read both plaintext and sealed values.
+    seal_agent_env: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.prefetch and self.prefetch_ttl >= self.stuck_job_mins * 60 / 2:

@@ -31,7 +31,8 @@ class JobContext(Generic[P]):
     job_id: UUID
     #: Which run this is, 1-based (the row's attempt after the claim).
     attempt: int
-    #: The parsed payload; sealed fields (McpServerUpload.env) are decrypted.
+    #: The parsed payload; sealed fields (the `env` of Upload, Clone, GithubClone and
+    #: McpServerUpload) are decrypted: `ctx.payload.env["KEY"].reveal()`.
     payload: P
     #: `build_jobs.owner_id`: the user who caused the job.
     owner_id: UUID

@@ -24,10 +24,12 @@ import attrs
 import cattrs
 
 from .errors import InvalidPayload, SecretDecryptError, SecretsNotConfigured
-from .secrets import Secret, SecretBox
+from .secrets import Secret, SecretBox, is_sealed_token
 
 __all__ = [
     "BUILTIN_PAYLOAD_TYPES",
+    "PLAINTEXT_COMPAT",
+    "SEALED",
     "Clone",
     "GithubClone",
     "GithubSource",
@@ -49,6 +51,11 @@ logger = logging.getLogger("nasiko_queue.payloads")
 
 #: attrs metadata key marking a `Mapping[str, Secret]` field whose values are stored sealed.
 SEALED: Final = "sealed"
+#: attrs metadata key marking a sealed field that the original worker writes in plaintext
+#: (the `env` of Upload, Clone and GithubClone). On decode, a value that is not a sealed
+#: token is taken as plaintext; a codec built with ``seal_compat_fields=False`` writes the
+#: field in plaintext, for a table shared with replicas running the original's code.
+PLAINTEXT_COMPAT: Final = "plaintext_compat"
 
 
 # --------------------------------------------------------------------------- model
@@ -94,7 +101,10 @@ class Payload(abc.ABC):
     Secret fields: a field typed ``Mapping[str, Secret]`` and declared with
     ``attrs.field(metadata={"sealed": True})`` is stored with each value sealed by the
     codec's `SecretBox` for ``secret_owner()``, bound to its key. On decode, a value that
-    does not open is dropped and logged by key, never by value.
+    does not open is dropped and logged by key, never by value. Adding
+    ``"plaintext_compat": True`` to the metadata also accepts plaintext values on decode
+    (rows written before the field was sealed) and lets a codec built with
+    ``seal_compat_fields=False`` write the field in plaintext.
 
     A field added to a type later must have a default, so that older rows still parse.
     """
@@ -138,40 +148,42 @@ def _ports(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_env(_inst: object, attr: "attrs.Attribute[Mapping[str, str]]", value: Any) -> None:
-    if not all(type(k) is str and type(v) is str for k, v in value.items()):
-        raise InvalidPayload(f"field '{attr.name}': keys and values must be strings")
-
-
 def _check_secrets(
     _inst: object, attr: "attrs.Attribute[Mapping[str, Secret]]", value: Any
 ) -> None:
-    if not all(type(k) is str and isinstance(v, Secret) for k, v in value.items()):
-        raise InvalidPayload(f"field '{attr.name}': keys must be strings and values Secrets")
+    if not (
+        isinstance(value, Mapping)
+        and all(type(k) is str and isinstance(v, Secret) for k, v in value.items())
+    ):
+        raise InvalidPayload(
+            f"field '{attr.name}': keys must be strings and values Secrets or strings"
+        )
 
 
-# Two converters, not one generic: mypy's attrs plugin types __init__ from the converter's
-# argument and does not solve a TypeVar there.
-def _copy_env(value: Mapping[str, str]) -> dict[str, str]:
-    return dict(value)
-
-
-def _copy_secrets(value: Mapping[str, Secret]) -> dict[str, Secret]:
-    return dict(value)
+# The converter's argument type is what mypy's attrs plugin gives __init__, so that
+# ``env={"K": "v"}`` type-checks for a field typed Mapping[str, Secret].
+def _to_secrets(value: Mapping[str, str | Secret]) -> dict[str, Secret]:
+    """
+    Copy a sealed field's map, wrapping plain `str` values into `Secret`, so that
+    ``env={"LOG_LEVEL": "info"}`` builds a payload as readily as ``Secret("info")`` does.
+    Anything else is left for the validator to refuse.
+    """
+    raw: object = value
+    if not isinstance(raw, Mapping):
+        return cast(dict[str, Secret], raw)
+    return {k: Secret(v) if isinstance(v, str) else v for k, v in raw.items()}
 
 
 def _ports_field() -> Any:
     return attrs.field(converter=_ports, validator=_check_ports)
 
 
-def _env_field() -> Any:
-    # A dict in a frozen class: copied on the way in, compared by eq, left out of the hash.
-    return attrs.field(converter=_copy_env, validator=_check_env, hash=False)
-
-
 @attrs.frozen(kw_only=True)
 class Upload(Payload):
-    """Build and deploy a newly uploaded agent from a zip on disk."""
+    """
+    Build and deploy a newly uploaded agent from a zip on disk. `env` values are sealed at
+    rest unless the codec is told otherwise; plaintext rows (the original's) still parse.
+    """
 
     kind: ClassVar[str] = "Upload"
 
@@ -183,7 +195,12 @@ class Upload(Payload):
     zip_path: str
     image_tag: str
     ports: tuple[int, ...] = _ports_field()
-    env: Mapping[str, str] = _env_field()
+    # Written inline, not by a helper, so that mypy's attrs plugin sees the converter. A dict
+    # in a frozen class: copied on the way in, compared by eq, left out of the hash.
+    env: Mapping[str, Secret] = attrs.field(
+        converter=_to_secrets, validator=_check_secrets, hash=False,
+        metadata={SEALED: True, PLAINTEXT_COMPAT: True},
+    )  # fmt: skip
     writable: bool
     writable_path: str | None = None
 
@@ -302,7 +319,12 @@ class Clone(Payload):
     tar_gz_path: str
     image_tag: str
     ports: tuple[int, ...] = _ports_field()
-    env: Mapping[str, str] = _env_field()
+    # Written inline, not by a helper, so that mypy's attrs plugin sees the converter. A dict
+    # in a frozen class: copied on the way in, compared by eq, left out of the hash.
+    env: Mapping[str, Secret] = attrs.field(
+        converter=_to_secrets, validator=_check_secrets, hash=False,
+        metadata={SEALED: True, PLAINTEXT_COMPAT: True},
+    )  # fmt: skip
 
     def label(self) -> str:
         return self.name
@@ -333,7 +355,12 @@ class GithubClone(Payload):
     branch: str
     image_tag: str
     ports: tuple[int, ...] = _ports_field()
-    env: Mapping[str, str] = _env_field()
+    # Written inline, not by a helper, so that mypy's attrs plugin sees the converter. A dict
+    # in a frozen class: copied on the way in, compared by eq, left out of the hash.
+    env: Mapping[str, Secret] = attrs.field(
+        converter=_to_secrets, validator=_check_secrets, hash=False,
+        metadata={SEALED: True, PLAINTEXT_COMPAT: True},
+    )  # fmt: skip
     version_override: str | None = None
     prior_version: str | None = None
     prior_image: str | None = None
@@ -384,7 +411,7 @@ class McpServerUpload(Payload):
     source: McpSource
     image_tag: str
     env: Mapping[str, Secret] = attrs.field(
-        converter=_copy_secrets, validator=_check_secrets, hash=False, metadata={SEALED: True}
+        converter=_to_secrets, validator=_check_secrets, hash=False, metadata={SEALED: True}
     )
 
     def label(self) -> str:
@@ -587,12 +614,19 @@ class PayloadCodec:
     With a `SecretBox`, sealed fields are encrypted on encode and decrypted on decode.
     Without one, encoding a non-empty sealed field raises `SecretsNotConfigured` (a secret
     is never stored in clear), and decoding drops sealed values with a warning.
+
+    Fields marked ``plaintext_compat`` (the `env` of Upload, Clone and GithubClone) are
+    sealed too, unless `seal_compat_fields` is False: then they are written in plaintext,
+    as the original worker writes and reads them (`QueueConfig.seal_agent_env`). Either
+    way, decoding takes a value of theirs that is not a sealed token as plaintext.
     """
 
     def __init__(
         self,
         types: Iterable[type[Payload]] = BUILTIN_PAYLOAD_TYPES,
         secrets: SecretBox | None = None,
+        *,
+        seal_compat_fields: bool = True,
     ) -> None:
         self._types: dict[str, type[Payload]] = {}
         for cls in types:
@@ -601,9 +635,13 @@ class PayloadCodec:
                 raise ValueError(f"two payload types have kind {cls.kind!r}")
             self._types[cls.kind] = cls
         self._secrets = secrets
+        self._seal_compat = seal_compat_fields
 
     def __repr__(self) -> str:
-        return f"PayloadCodec(kinds={sorted(self._types)!r}, secrets={self._secrets!r})"
+        return (
+            f"PayloadCodec(kinds={sorted(self._types)!r}, secrets={self._secrets!r}, "
+            f"seal_compat_fields={self._seal_compat!r})"
+        )
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -620,19 +658,26 @@ class PayloadCodec:
                 continue
             value = getattr(payload, field.name)
             if field.metadata.get(SEALED):
-                out[field.name] = self._seal(payload, field.name, value)
+                if field.metadata.get(PLAINTEXT_COMPAT) and not self._seal_compat:
+                    out[field.name] = _plain(payload, field.name, value)
+                else:
+                    out[field.name] = self._seal(payload, field, value)
             else:
                 out[field.name] = converter.unstructure(value, unstructure_as=field.type)
         return out
 
-    def _seal(self, payload: Payload, field: str, values: Mapping[str, Secret]) -> dict[str, str]:
+    def _seal(
+        self, payload: Payload, field: "attrs.Attribute[Any]", values: Mapping[str, Secret]
+    ) -> dict[str, str]:
         if not values:
             return {}
         if self._secrets is None:
-            raise SecretsNotConfigured()
+            raise SecretsNotConfigured(_no_key_message(payload, field))
         owner = payload.secret_owner()
         if owner is None:
-            raise InvalidPayload(f"{payload.kind} payload: field '{field}' needs a secret_owner()")
+            raise InvalidPayload(
+                f"{payload.kind} payload: field '{field.name}' needs a secret_owner()"
+            )
         return {
             key: self._secrets.seal(owner, key, value.reveal()) for key, value in values.items()
         }
@@ -658,17 +703,17 @@ class PayloadCodec:
 
         # Sealed fields are structured empty and filled in once the owner is known.
         body = dict(data)
-        sealed: dict[str, dict[str, str]] = {}
+        sealed: list[tuple[attrs.Attribute[Any], dict[str, str]]] = []
         for field in _sealed_fields(cls):
             raw = body.get(field.name)
-            if raw is None:
+            if raw is None or raw == {}:
                 continue
             if not (isinstance(raw, dict) and all(isinstance(v, str) for v in raw.values())):
+                shape = "strings" if field.metadata.get(PLAINTEXT_COMPAT) else "sealed strings"
                 raise InvalidPayload(
-                    f"invalid {kind} payload: field '{field.name}': "
-                    "expected an object of sealed strings"
+                    f"invalid {kind} payload: field '{field.name}': expected an object of {shape}"
                 )
-            sealed[field.name] = raw
+            sealed.append((field, raw))
             body[field.name] = {}
 
         try:
@@ -676,15 +721,23 @@ class PayloadCodec:
         except Exception as exc:
             raise InvalidPayload(f"invalid {kind} payload: {_describe(exc)}") from None
         if sealed:
-            aliases = {f.name: f.alias or f.name for f in _attrs_fields(cls)}
-            opened = {aliases[name]: self._open(payload, name, raw) for name, raw in sealed.items()}
+            opened = {
+                field.alias or field.name: self._open(payload, field, raw)
+                for field, raw in sealed
+            }
             payload = attrs.evolve(cast(Any, payload), **opened)
         return payload
 
-    def _open(self, payload: Payload, field: str, raw: Mapping[str, str]) -> dict[str, Secret]:
+    def _open(
+        self, payload: Payload, field: "attrs.Attribute[Any]", raw: Mapping[str, str]
+    ) -> dict[str, Secret]:
         owner = payload.secret_owner()
+        plaintext_ok = bool(field.metadata.get(PLAINTEXT_COMPAT))
         values: dict[str, Secret] = {}
         for key, token in raw.items():
+            if plaintext_ok and not is_sealed_token(token):
+                values[key] = Secret(token)  # written in plaintext, by the original
+                continue
             if self._secrets is None:
                 reason = "no secrets master key is configured"
             elif owner is None:
@@ -697,9 +750,39 @@ class PayloadCodec:
                     reason = "it does not decrypt"
             logger.warning(
                 "dropped secret %s.%s of %s payload (build %s): %s",
-                field, key, payload.kind, payload.build_id, reason,
+                field.name, key, payload.kind, payload.build_id, reason,
             )  # fmt: skip
         return values
+
+
+def _plain(payload: Payload, field: str, values: Mapping[str, Secret]) -> dict[str, str]:
+    """A compat field written in plaintext, as the original worker writes it."""
+    out = {key: value.reveal() for key, value in values.items()}
+    for key, text in out.items():
+        if is_sealed_token(text):
+            # It would read back as a sealed value that does not open, and be dropped.
+            raise InvalidPayload(
+                f"{payload.kind} payload: the value of {field}[{key!r}] starts like a sealed "
+                "value ('nq1:'), so it cannot be stored in plaintext; seal it "
+                "(QueueConfig.seal_agent_env=True, with a master key)"
+            )
+    return out
+
+
+def _no_key_message(payload: Payload, field: "attrs.Attribute[Any]") -> str:
+    """What to do when a payload with secrets is encoded and no master key is configured."""
+    message = (
+        f"the {payload.kind} payload's '{field.name}' values are sealed at rest and no "
+        "secrets master key is configured: give Queue(db, secrets=SecretBox.from_base64(key)) "
+        "(`nasiko-queue keygen` prints a key; the CLI reads NASIKO_QUEUE_MASTER_KEY)"
+    )
+    if field.metadata.get(PLAINTEXT_COMPAT):
+        message += (
+            ". Only for a table shared with replicas running the original worker, which read "
+            "these values as plaintext: QueueConfig(seal_agent_env=False) stores them in "
+            "plaintext instead (README, Configuration)"
+        )
+    return message
 
 
 def _json_type(value: object) -> str:

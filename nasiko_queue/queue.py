@@ -31,9 +31,10 @@ class Queue:
     Args:
         db: from `open_database()`.
         config: the constants of SPEC §3 and the worker's knobs.
-        secrets: seals the secret fields of payloads (McpServerUpload.env) at
-            enqueue and opens them for the executor. Required only when a
-            payload carries secrets.
+        secrets: seals the secret fields of payloads (the `env` of
+            McpServerUpload, and of Upload, Clone and GithubClone unless
+            `config.seal_agent_env` is off) at enqueue and opens them for the
+            executor. Required only when a payload carries secrets.
     """
 
     def __init__(
@@ -46,7 +47,7 @@ class Queue:
         self.db = db
         self.config = config or QueueConfig()
         self.secrets = secrets
-        self._codec = PayloadCodec(secrets=secrets)
+        self._codec = PayloadCodec(secrets=secrets, seal_compat_fields=self.config.seal_agent_env)
         self._wakers: set[Callable[[], None]] = set()
 
     async def enqueue(
@@ -70,7 +71,10 @@ class Queue:
 
         Raises:
             PayloadTooLarge: the encoded payload exceeds `max_payload_bytes`.
-            SecretsNotConfigured: the payload has secrets and no key was given.
+            SecretsNotConfigured: the payload has values to seal (a non-empty
+                `env`) and no key was given.
+            InvalidPayload: with `seal_agent_env` off, an env value that would
+                read back as a sealed one.
             ValueError: no owner could be determined.
         """
         owner = owner_id if owner_id is not None else payload.job_owner()

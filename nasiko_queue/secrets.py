@@ -2,9 +2,10 @@
 Secret values in job payloads: a wrapper that will not print, and the box that seals them.
 
 A payload sits in `build_jobs.payload` for as long as the row lives, and rows are read by
-people debugging the queue. So the values of a *sealed* payload field (SPEC §2: the
-McpServerUpload `env`) are stored encrypted, and in memory they travel as `Secret`, whose
-repr is a row of stars, so that no log line, traceback or `print(payload)` shows them.
+people debugging the queue. So the values of a *sealed* payload field (SPEC §2: the `env` of
+McpServerUpload, and by default of Upload, Clone and GithubClone) are stored encrypted, and
+in memory they travel as `Secret`, whose repr is a row of stars, so that no log line,
+traceback or `print(payload)` shows them.
 
 Each owner gets their own key, derived from one master key, so that a value sealed for one
 owner cannot be moved into another owner's job and decrypted there. The value is also bound
@@ -17,6 +18,7 @@ import base64
 import binascii
 import hmac
 import os
+import re
 from typing import Final
 from uuid import UUID
 
@@ -34,6 +36,8 @@ KEY_BYTES: Final = 32
 _HKDF_SALT: Final = b"nasiko-queue/secrets/v1"
 #: Prefix of a sealed value; names the scheme so that a later one can coexist.
 _SEALED_PREFIX: Final = "nq1:"
+#: The prefix of any scheme, this one's and later ones'.
+_ANY_SCHEME: Final = re.compile(r"nq[0-9]+:")
 _NONCE_BYTES: Final = 12
 _TAG_BYTES: Final = 16
 #: Derived keys kept per box. Deriving is cheap; the cap only bounds memory.
@@ -149,6 +153,18 @@ class SecretBox:
             return plain.decode()
         except (InvalidTag, UnicodeDecodeError):
             raise SecretDecryptError() from None
+
+
+def is_sealed_token(value: str) -> bool:
+    """
+    Whether a stored value is in the form `SecretBox.seal` writes (its scheme prefix).
+
+    Any scheme's prefix counts (``nq1:``, and the ``nq<n>:`` of a later one), so that a
+    release that does not know a newer scheme drops its values rather than take them for
+    plaintext. It says nothing of whether the value opens. Fields that the original worker
+    wrote in plaintext use it to tell a sealed value from a plaintext one.
+    """
+    return _ANY_SCHEME.match(value) is not None
 
 
 def generate_master_key() -> str:

@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from click.testing import CliRunner
@@ -310,9 +311,11 @@ async def _create_executions(dsn: str) -> None:
 # -- too large at enqueue ---------------------------------------------------------------------
 
 
-def _upload_with_env_value(agent: uuid.UUID, owner: uuid.UUID, value: str) -> Any:
-    return make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner,
-                        env={"BLOB": value})
+def _upload_padded(agent: uuid.UUID, owner: uuid.UUID, value: str) -> Any:
+    # The padding goes in a plain field: env values are sealed, which needs a key and
+    # changes their size.
+    payload: Any = make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner)
+    return attrs.evolve(payload, zip_path=value)
 
 
 def _encoded_size(payload: Any) -> int:
@@ -330,20 +333,20 @@ async def test_payload_over_the_default_limit_is_refused_with_a_clear_error(db: 
     assert limit == 1024 * 1024
     owner = uuid.uuid4()
     agent = await insert_agent(db, owner_id=owner)
-    base = _encoded_size(_upload_with_env_value(agent, owner, ""))
+    base = _encoded_size(_upload_padded(agent, owner, ""))
 
-    exact = _upload_with_env_value(agent, owner, "x" * (limit - base))
+    exact = _upload_padded(agent, owner, "x" * (limit - base))
     assert _encoded_size(exact) == limit
     await queue.enqueue(exact)
 
-    over = _upload_with_env_value(agent, owner, "x" * (limit - base + 1))
+    over = _upload_padded(agent, owner, "x" * (limit - base + 1))
     with pytest.raises(PayloadTooLarge) as caught:
         await queue.enqueue(over)
     assert str(caught.value) == (
         f"Upload payload is {limit + 1} bytes; the limit is {limit} "
         "(QueueConfig.max_payload_bytes)")
 
-    wide = _upload_with_env_value(agent, owner, "é" * ((limit - base) // 2 + 1))
+    wide = _upload_padded(agent, owner, "é" * ((limit - base) // 2 + 1))
     assert base + len("é" * ((limit - base) // 2 + 1)) <= limit  # fits in characters...
     with pytest.raises(PayloadTooLarge, match=r"payload is \d+ bytes"):  # ...not in bytes
         await queue.enqueue(wide)
@@ -351,7 +354,7 @@ async def test_payload_over_the_default_limit_is_refused_with_a_clear_error(db: 
     async def in_one_transaction() -> None:
         async with db.transaction() as tx:
             other = await insert_agent(tx, owner_id=owner, name="rolled-back")
-            await queue.enqueue(_upload_with_env_value(other, owner, "x" * 2 * limit), tx=tx)
+            await queue.enqueue(_upload_padded(other, owner, "x" * 2 * limit), tx=tx)
 
     with pytest.raises(PayloadTooLarge):
         await in_one_transaction()

@@ -26,7 +26,7 @@ from nasiko_queue.payloads import (
     ZipSource,
     raw_build_id,
 )
-from nasiko_queue.secrets import Secret, SecretBox
+from nasiko_queue.secrets import Secret, SecretBox, is_sealed_token
 
 B = "0b0b0b0b-0000-4000-8000-000000000001"  # build id
 A = "0a0a0a0a-0000-4000-8000-000000000002"  # agent id
@@ -119,7 +119,8 @@ def dumps(data: object) -> str:
 
 @pytest.fixture(scope="module")
 def codec() -> PayloadCodec:
-    return PayloadCodec()
+    """Writes what the original writes: the agent kinds' `env` in plaintext."""
+    return PayloadCodec(seal_compat_fields=False)
 
 
 def decoded(kind: str) -> Payload:
@@ -133,10 +134,29 @@ class TestWireVectors:
 
     @pytest.mark.parametrize("kind", list(VECTORS))
     def test_reencodes_identically(self, codec: PayloadCodec, kind: str) -> None:
-        """A serde-written row parses and is written back byte for byte."""
+        """A serde-written row parses and is written back byte for byte (with the agent
+        kinds' `env` in plaintext, as `QueueConfig(seal_agent_env=False)` writes it)."""
         payload = codec.decode(json.loads(VECTORS[kind]))
         assert type(payload).kind == kind
         assert dumps(codec.encode(payload)) == VECTORS[kind]
+
+    @pytest.mark.parametrize("kind", ["Upload", "GithubClone"])
+    def test_sealed_row_keeps_the_serde_shape(self, kind: str) -> None:
+        """Sealed by default, the agent kinds' `env` is still an object of strings under the
+        same keys, in the same place: only its values differ from the serde row."""
+        box = SecretBox(bytes(32))
+        payload = PayloadCodec().decode(json.loads(VECTORS[kind]))
+        encoded = PayloadCodec(secrets=box).encode(payload)
+        plain = json.loads(VECTORS[kind])
+        assert list(encoded) == list(plain)
+        assert {k: v for k, v in encoded.items() if k != "env"} == {
+            k: v for k, v in plain.items() if k != "env"
+        }
+        assert list(encoded["env"]) == list(plain["env"])
+        for key, value in plain["env"].items():
+            assert encoded["env"][key].startswith("nq1:")
+            assert box.open(UUID(OWN), key, encoded["env"][key]) == value
+        assert PayloadCodec(secrets=box).decode(json.loads(dumps(encoded))) == payload
 
     def test_github_source_vector(self, codec: PayloadCodec) -> None:
         text = VECTORS["McpServerUpload"].replace(
@@ -183,6 +203,10 @@ class TestWireVectors:
             writable_path="/data",
         )
         assert hash(payload) == hash(decoded("Upload"))
+        # The plaintext env of the original's row is read into Secrets, as a sealed one is.
+        assert isinstance(payload, Upload)
+        assert payload.env == {"LOG_LEVEL": Secret("debug")}
+        assert all(type(v) is Secret for v in payload.env.values())
 
     def test_uppercase_uuid_accepted(self, codec: PayloadCodec) -> None:
         data = json.loads(VECTORS["Upload"])
@@ -340,11 +364,12 @@ class TestInvalid:
         assert isinstance(data, Clone)
         with pytest.raises(InvalidPayload, match="env"):
             attrs.evolve(data, env={"A": 1})  # type: ignore[dict-item]
-        with pytest.raises(InvalidPayload, match="env"):
-            McpServerUpload(
-                build_id=UUID(B), connector_id=UUID(C), owner_id=UUID(OWN), name="n",
-                source=ZipSource("z"), image_tag="t", env={"K": "plain"},  # type: ignore[dict-item]
-            )  # fmt: skip
+        for bad in ({"K": 5}, {"K": None}, {5: "v"}, ["K"]):
+            with pytest.raises(InvalidPayload, match="env"):
+                McpServerUpload(
+                    build_id=UUID(B), connector_id=UUID(C), owner_id=UUID(OWN), name="n",
+                    source=ZipSource("z"), image_tag="t", env=bad,  # type: ignore[arg-type]
+                )  # fmt: skip
 
 
 class TestRawBuildId:
@@ -461,5 +486,13 @@ def test_round_trip(payload: Payload) -> None:
     assert again == payload
     assert type(again) is type(payload)
     assert again.build_id == payload.build_id
-    if not isinstance(payload, McpServerUpload):  # sealed values get a fresh nonce each time
+    if not getattr(payload, "env", None):  # sealed values get a fresh nonce each time
         assert dumps(codec.encode(again)) == text
+    # The agent kinds' env may be written in plaintext too (but not a value that would read
+    # back as a sealed one: the codec refuses those).
+    compat = PayloadCodec(secrets=BOX, seal_compat_fields=False)
+    env = getattr(payload, "env", {})
+    if not isinstance(payload, McpServerUpload) and not any(
+        is_sealed_token(v.reveal()) for v in env.values()
+    ):
+        assert compat.decode(json.loads(dumps(compat.encode(payload)))) == payload

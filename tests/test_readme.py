@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from nasiko_queue.secrets import generate_master_key
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -18,7 +20,7 @@ async def test_embedding_example_runs(dsn: str, capsys: pytest.CaptureFixture[st
     example = _python_blocks()[0]  # the embedding example (the second is a sketch)
     namespace: dict[str, object] = {"__name__": "readme_example"}
     exec(compile(example, str(README), "exec"), namespace)  # noqa: S102
-    await namespace["main"](dsn)  # type: ignore[operator]
+    await namespace["main"](dsn, generate_master_key())  # type: ignore[operator]
     assert capsys.readouterr().out.strip().splitlines()[-1] == "done"
 
 

@@ -31,7 +31,6 @@ from ..payloads import (
     ZipSource,
 )
 from ..queue import Queue
-from ..secrets import Secret
 
 #: The seven built-in kinds, in the original's order.
 KINDS = ("Upload", "Update", "Rollback", "StandaloneBuild", "Clone", "GithubClone",
@@ -102,7 +101,13 @@ def make_payload(
     name: str = "demo",
     env: dict[str, str] | None = None,
 ) -> Payload:
-    """A valid payload of a built-in `kind` for the given target and build row."""
+    """
+    A valid payload of a built-in `kind` for the given target and build row.
+
+    `env` goes to the kinds that have one (Upload, Clone, GithubClone, McpServerUpload),
+    whose values are sealed at enqueue: a non-empty one needs a `Queue` with a master key
+    (or, for all but McpServerUpload, `QueueConfig(seal_agent_env=False)`).
+    """
     common_env = dict(env or {})
     if kind == "Upload":
         return Upload(build_id=build_id, agent_id=target_id, owner_id=owner_id,
@@ -134,7 +139,7 @@ def make_payload(
                   else ZipSource(zip_path=f"/srv/uploads/{name}.zip"))
         return McpServerUpload(build_id=build_id, connector_id=target_id, owner_id=owner_id,
                                name=name, source=source, image_tag=f"{name}:v1",
-                               env={k: Secret(v) for k, v in common_env.items()})
+                               env=common_env)
     raise ValueError(f"unknown built-in kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
