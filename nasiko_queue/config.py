@@ -114,6 +114,12 @@ class QueueConfig:
     #: Whether a worker LISTENs (on a dedicated connection, outside the pool). Off,
     #: it wakes only on in-process enqueues, its sweeps, and the poll.
     listen: bool = True
+    #: Seconds between checks that the LISTEN connection still answers (a query
+    #: bounded by `cleanup_timeout`); one that does not is replaced. A connection
+    #: whose peer vanished without a reset otherwise looks open for hours, while
+    #: its notifications go nowhere. 30 s plus the bound is how long such a hang
+    #: can go unnoticed; the poll keeps jobs moving meanwhile.
+    listen_check_interval: float = attrs.field(default=30.0, validator=_positive)
     #: When set, the worker's recovery tick also deletes done/failed jobs whose
     #: `completed_at` is older than this (`nasiko_queue.retention.prune`).
     retention: timedelta | None = attrs.field(default=None, validator=_retention)

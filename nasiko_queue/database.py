@@ -127,6 +127,36 @@ class Transaction:
         self._after_commit.append(callback)
 
 
+class Listening:
+    """A LISTEN connection in use (`Database.listen`)."""
+
+    def __init__(self, db: Database, conn: asyncpg.Connection, lost: trio.Event) -> None:
+        self._db = db
+        self._conn = conn
+        #: Set when the connection terminates.
+        self.lost = lost
+
+    async def check(self, bound: float) -> bool:
+        """
+        Whether the connection answers a trivial query within `bound` seconds.
+
+        A connection whose peer vanished without a reset (a NAT that forgot it,
+        a machine powered off, a frozen network) raises nothing and delivers
+        nothing, for as long as the kernel's TCP timeouts allow: hours. Only a
+        question shows it; this asks one, bounded on both sides of the bridge.
+        """
+        conn = self._conn
+        task = self._db._loop.create_task(conn.fetchval("SELECT 1", timeout=bound))
+        answered = trio.Event()
+        task.add_done_callback(lambda _task: answered.set())
+        with trio.move_on_after(bound):
+            await answered.wait()
+        if not task.done():
+            task.add_done_callback(_drop_late_result)
+            return False
+        return not task.cancelled() and task.exception() is None
+
+
 class Database:
     """
     A pool of asyncpg connections and the trio-asyncio loop they live on.
@@ -365,16 +395,18 @@ class Database:
     @asynccontextmanager
     async def listen(
         self, channel: str, on_notify: Callable[[str], None]
-    ) -> AsyncIterator[trio.Event]:
+    ) -> AsyncIterator[Listening]:
         """
-        LISTEN on `channel` on a dedicated connection; yield an Event set when it is lost.
+        LISTEN on `channel` on a dedicated connection, for as long as the block runs.
 
         `on_notify(payload)` runs on the trio thread for every notification (asyncpg
         calls listeners from the asyncio loop, which trio-asyncio runs as a trio
         task), so it may touch trio objects synchronously; it must not block. The
-        Event is set when the connection terminates (server restart,
-        `pg_terminate_backend`, network error seen by the socket): notifications
-        sent while nobody listens are lost, so the caller should reconnect and poll.
+        yielded `Listening` has an Event set when the connection terminates
+        (server restart, `pg_terminate_backend`, network error seen by the
+        socket) and a bounded `check()` for a connection that hangs without a
+        reset: notifications sent while nobody listens are lost, so the caller
+        should reconnect and poll.
         """
         lost = trio.Event()
 
@@ -389,7 +421,7 @@ class Database:
             await self._cross(conn.add_listener(channel, on_notification))
             if conn.is_closed():  # lost between connect and LISTEN's answer
                 lost.set()
-            yield lost
+            yield Listening(self, conn, lost)
 
     async def aclose(self) -> None:
         """Close the pools; shielded and bounded, then forced."""

@@ -54,6 +54,7 @@ import attrs
 import trio
 
 from .config import QueueConfig
+from .database import Listening
 from .errors import InvalidPayload, OutcomeUnknown, is_transient
 from .executors import Executors, JobContext
 from .jobs import (
@@ -124,6 +125,8 @@ class WorkerStats:
     listen_connects: int = 0
     #: Notifications received on the LISTEN connection.
     notifications: int = 0
+    #: LISTEN connections replaced because they stopped answering the check.
+    listen_hangs: int = 0
     #: Finished jobs deleted by the retention prune of the recovery tick.
     pruned: int = 0
     #: Claims whose answer was lost (no answer in time, or the connection broke):
@@ -882,7 +885,7 @@ class Worker:
         started = False
         while True:
             try:
-                async with self.queue.db.listen(channel, self._on_notification) as lost:
+                async with self.queue.db.listen(channel, self._on_notification) as listening:
                     self.stats.listen_connects += 1
                     if started:
                         log.info("LISTEN %s re-established; draining what it missed", channel)
@@ -892,7 +895,7 @@ class Worker:
                         task_status.started()
                     self._notify()
                     connected_at = trio.current_time()
-                    await lost.wait()
+                    await self._until_lost(listening)
                     if trio.current_time() - connected_at > self.config.retry_max_delay:
                         delay = self.config.retry_initial_delay  # it was a healthy connection
                     log.warning("LISTEN connection lost; reconnecting in %.2fs", delay)
@@ -904,6 +907,28 @@ class Worker:
                 task_status.started()
             await trio.sleep(delay)
             delay = min(delay * 2, self.config.retry_max_delay)
+
+    async def _until_lost(self, listening: Listening) -> None:
+        """
+        Return once the LISTEN connection is lost, or stops answering: every
+        `listen_check_interval` it is asked a trivial question, bounded by
+        `cleanup_timeout` (a hung connection raises nothing by itself).
+        """
+        async with trio.open_nursery() as nursery:
+
+            async def lost() -> None:
+                await listening.lost.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(lost)
+            while True:
+                await trio.sleep(self.config.listen_check_interval)
+                if not await listening.check(self.config.cleanup_timeout):
+                    log.warning("the LISTEN connection did not answer within %.1fs",
+                                self.config.cleanup_timeout)
+                    self.stats.listen_hangs += 1
+                    nursery.cancel_scope.cancel()
+                    return
 
     async def _recovery_timer(self) -> None:
         """Sweep every `recovery_interval`; first tick one period in, missed ticks skipped."""

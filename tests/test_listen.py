@@ -148,3 +148,70 @@ async def test_no_channel_sends_no_notification(db: Database) -> None:
         with trio.fail_after(10):
             await sentinel.wait()
     assert seen == ["end"]
+
+
+async def test_a_listen_connection_that_hangs_without_a_reset_is_replaced(
+    dsn: str, db: Database
+) -> None:
+    """The LISTEN connection goes silent: no RST, no FIN, nothing delivered (a
+    frozen network, a NAT that forgot it). The periodic check notices within its
+    interval plus `cleanup_timeout`, and the worker listens on a new connection:
+    a job enqueued elsewhere then starts at once (the poll is an hour away)."""
+    from .netproxy import Proxy
+
+    config = attrs.evolve(NO_POLL, listen_check_interval=0.2, cleanup_timeout=0.3)
+    async with trio.open_nursery() as nursery:
+        proxy = Proxy(dsn)
+        await nursery.start(proxy.run)
+        async with open_database(proxy.dsn()) as worker_db:
+            queue = Queue(worker_db, config=config, secrets=MASTER_KEY)
+            async with running(queue, executors_for_all(succeed)) as worker:
+                await worker.drain_once()
+                assert worker.stats.listen_connects == 1
+                proxy.freeze()  # every connection open now, LISTEN's included
+                with trio.fail_after(10):
+                    await worker.wait_for(lambda s: s.listen_connects >= 2)
+                proxy.restore()
+                assert worker.stats.listen_hangs >= 1
+                with trio.fail_after(10):
+                    await enqueue_with_target(Queue(db, config=NO_POLL), "Upload")
+                    await worker.wait_for(lambda s: s.done >= 1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_job_put_back_after_a_crash_or_a_hard_stop_notifies_other_replicas(
+    queue: Queue, db: Database
+) -> None:
+    """A reset (a crash with attempts left, a hard stop's release, the sweep's reset
+    of a stuck job) sends a NOTIFY, as the prefetch give-back does, so that another
+    replica takes the job at once instead of at its next poll."""
+    from nasiko_queue.jobs import PgJobStore
+    from nasiko_queue.testing import KINDS
+
+    seen: list[str] = []
+    heard = trio.Event()
+
+    def on_notify(payload: str) -> None:
+        seen.append(payload)
+        heard.set()
+
+    kinds = frozenset(KINDS)
+    store = PgJobStore(db, queue.config, runnable_kinds=kinds, known_kinds=kinds)
+    quiet = Queue(db, config=attrs.evolve(FAST, notify_channel=None), secrets=MASTER_KEY)
+    for _ in range(2):
+        await enqueue_with_target(quiet, "Upload")
+    channel = queue.config.notify_channel
+    assert channel is not None
+    async with db.listen(channel, on_notify):
+        (job,) = await store.claim(1)
+        assert await store.reset(job)
+        with trio.fail_after(10):
+            await heard.wait()
+        heard = trio.Event()
+        await store.claim(1)
+        await db.execute("UPDATE build_jobs SET picked_at = now() - interval '2 hours' "
+                         "WHERE status = 'in_progress'")
+        assert (await store.recover()).reset == 1
+        with trio.fail_after(10):
+            await heard.wait()
+    assert len(seen) == 2

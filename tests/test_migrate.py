@@ -24,13 +24,14 @@ def test_files_are_found_in_order() -> None:
 
 async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
     async with open_database(empty_dsn) as db:
-        assert await migrate(db) == ["0001", "0003", "0004", "0005", "0006"]
+        assert await migrate(db) == ["0001", "0003", "0004", "0005", "0006", "0007"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
         assert [(r["version"], r["name"]) for r in recorded] == [
             ("0001", "schema"), ("0003", "mcp"), ("0004", "jobs_agent_index"),
-            ("0005", "queue_autovacuum"), ("0006", "claim_token")]
+            ("0005", "queue_autovacuum"), ("0006", "claim_token"),
+            ("0007", "finished_jobs_index")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "
@@ -47,6 +48,12 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
         assert "WHERE (connector_id IS NOT NULL)" in indexes["idx_build_jobs_connector"]
         # Deleting an agent must not read the whole job history (0004).
         assert "(agent_id)" in indexes["idx_build_jobs_agent"]
+        # Retention finds finished rows by completion time (0007, built concurrently).
+        assert "(completed_at) WHERE (status = ANY" in \
+            indexes["build_jobs_finished_completed_at"]
+        assert await db.fetchval(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = "
+            "'build_jobs_finished_completed_at'::regclass")
         # Vacuum by a fixed count of dead rows, not a share of the history (0005).
         options = set(await db.fetchval(
             "SELECT reloptions FROM pg_class WHERE oid = 'build_jobs'::regclass"))
@@ -76,7 +83,8 @@ async def test_concurrent_migrators_apply_each_file_once(empty_dsn: str) -> None
     async with trio.open_nursery() as nursery:
         for _ in range(4):
             nursery.start_soon(one)
-    assert sorted(map(tuple, results)) == [(), (), (), ("0001", "0003", "0004", "0005", "0006")]
+    everything = tuple(m.version for m in load_migrations())
+    assert sorted(map(tuple, results)) == [(), (), (), everything]
 
 
 async def test_a_failing_migration_rolls_back_whole(empty_dsn: str) -> None:
@@ -86,6 +94,45 @@ async def test_a_failing_migration_rolls_back_whole(empty_dsn: str) -> None:
             await migrate(db, bad)
         assert await db.fetchval("SELECT to_regclass('half')") is None
         assert await db.fetchval("SELECT count(*) FROM nasiko_queue_migrations") == 0
+
+
+async def test_a_no_transaction_migration_runs_statement_by_statement(empty_dsn: str) -> None:
+    """`--! no-transaction`: CREATE INDEX CONCURRENTLY, which PostgreSQL refuses in a
+    transaction (or in a multi-statement string), is applied and recorded."""
+    files = [
+        Migration("0001", "table", "CREATE TABLE t (x int);"),
+        Migration("0002", "index", "--! no-transaction\n-- build it without blocking\n"
+                  "DROP INDEX CONCURRENTLY IF EXISTS t_x;\n\n"
+                  "CREATE INDEX CONCURRENTLY t_x\n    ON t (x);\n"),
+    ]
+    async with open_database(empty_dsn) as db:
+        assert await migrate(db, files) == ["0001", "0002"]
+        assert await db.fetchval("SELECT indisvalid FROM pg_index "
+                                 "WHERE indexrelid = 't_x'::regclass")
+        assert await migrate(db, files) == []
+
+
+async def test_a_no_transaction_migration_that_fails_half_way_runs_again(
+    empty_dsn: str,
+) -> None:
+    """Not recorded when a statement fails: the next run starts it from the top, so
+    its statements must be safe to repeat (as 0007's DROP ... IF EXISTS is)."""
+    half = ("--! no-transaction\nCREATE TABLE IF NOT EXISTS u (x int);\n"
+            "SELECT no_such_function();\n")
+    async with open_database(empty_dsn) as db:
+        with pytest.raises(MigrationError, match="0001_half failed"):
+            await migrate(db, [Migration("0001", "half", half)])
+        assert await db.fetchval("SELECT to_regclass('u')") is not None  # ran, unrecorded
+        assert await db.fetchval("SELECT count(*) FROM nasiko_queue_migrations") == 0
+        fixed = half.replace("SELECT no_such_function();", "SELECT 1;")
+        assert await migrate(db, [Migration("0001", "half", fixed)]) == ["0001"]
+
+
+def test_a_no_transaction_migration_may_not_use_dollar_quotes() -> None:
+    m = Migration("0001", "f", "--! no-transaction\nCREATE FUNCTION f() RETURNS int "
+                  "LANGUAGE sql AS $$ SELECT 1; $$;\n")
+    with pytest.raises(MigrationError, match="dollar quoting"):
+        m.statements()
 
 
 async def test_an_edited_migration_is_refused(empty_dsn: str) -> None:

@@ -95,3 +95,23 @@ async def test_worker_prunes_on_its_recovery_tick(queue: Queue, db: Database) ->
         with trio.fail_after(10):
             await worker.wait_for(lambda s: s.pruned >= 1)
     assert await _statuses(db) == {"done": 1}
+
+
+async def test_prune_finds_old_finished_jobs_by_index_not_by_scanning_history(
+    queue: Queue, db: Database
+) -> None:
+    """With a long history, each batch of `prune` reads the finished rows it
+    deletes through the partial index of 0007, not a scan of the whole table."""
+    from nasiko_queue._sql import Q
+
+    agent = (await enqueue_with_target(queue, "Upload")).target_id
+    await db.execute(
+        "INSERT INTO build_jobs (agent_id, owner_id, status, payload, completed_at) "
+        "SELECT $1, gen_random_uuid(), CASE WHEN g % 10 = 0 THEN 'pending' ELSE 'done' END,"
+        " '{\"kind\": \"Upload\"}', CASE WHEN g % 10 <> 0 THEN now() - make_interval("
+        "  days => g % 60) END FROM generate_series(1, 20000) AS g", agent)
+    await db.execute("ANALYZE build_jobs")
+    plan = "\n".join(r[0] for r in await db.fetch(
+        "EXPLAIN " + Q.jobs_prune, timedelta(days=59), 1000))
+    assert "build_jobs_finished_completed_at" in plan, plan
+    assert "Seq Scan on build_jobs" not in plan, plan

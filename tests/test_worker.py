@@ -724,3 +724,25 @@ async def test_other_kinds_are_left_for_the_replicas_that_run_them(db: Any) -> N
     row = await job_row(queue.db, job_id)
     assert row is not None
     assert (row["status"], row["attempt"]) == ("pending", 0)
+
+
+async def test_wait_for_sees_running_and_buffered_change(queue: Queue) -> None:
+    """`running` and `buffered` change without any other signal: `wait_for` must
+    wake for them too (it timed out in 1 of 3 runs while running == 1)."""
+    import attrs as _attrs
+
+    release = trio.Event()
+
+    async def block(ctx: JobContext[Any]) -> None:
+        await release.wait()
+        await succeed(ctx)
+
+    prefetching = Queue(queue.db, config=_attrs.evolve(queue.config, prefetch=2),
+                        secrets=queue.secrets)
+    for _ in range(3):
+        await enqueue_with_target(prefetching, "Upload")
+    async with running(prefetching, executors_for_all(block)) as worker:
+        with trio.fail_after(10):
+            await worker.wait_for(lambda s: s.running == 1 and s.buffered == 2)
+            release.set()
+            await worker.wait_for(lambda s: s.done == 3 and s.running == 0)

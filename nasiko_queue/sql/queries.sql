@@ -179,8 +179,11 @@ WHERE status = 'in_progress';
 SELECT extract(epoch FROM now() - min(created_at))::float8 FROM build_jobs WHERE status = 'pending';
 
 -- name: migrations_lock
--- Serialize migrators across replicas for the whole run (session lock).
-SELECT pg_advisory_lock(hashtext('nasiko_queue.migrate'));
+-- Serialize migrators across replicas for the whole run (session lock). Tried,
+-- not waited for: a migrator waiting inside pg_advisory_lock holds a snapshot,
+-- and the holder's CREATE INDEX CONCURRENTLY waits for every older snapshot to
+-- go, so the two would deadlock. The caller retries with a pause in between.
+SELECT pg_try_advisory_lock(hashtext('nasiko_queue.migrate'));
 
 -- name: migrations_unlock
 SELECT pg_advisory_unlock(hashtext('nasiko_queue.migrate'));
@@ -319,19 +322,19 @@ RETURNING id;
 
 -- name: jobs_prune
 -- Retention: delete up to $2 done/failed jobs completed more than $1 (an
--- interval) ago, by the database's clock. Pending and
--- in_progress rows are never touched. Small batches keep each transaction (and
--- its locks and WAL burst) short; the caller loops until a batch comes back short.
-WITH old AS (
+-- interval) ago, by the database's clock. Pending and in_progress rows are
+-- never touched. The old rows are found through the partial index of finished
+-- jobs by completion time (0007), and deleted by primary key (an id array, as
+-- in job_claim: a join back to the table was planned as a scan of all of it).
+-- Small batches keep each transaction (and its locks and WAL burst) short; the
+-- caller loops until a batch comes back short.
+DELETE FROM build_jobs
+WHERE id = ANY (ARRAY(
     SELECT id
     FROM build_jobs
     WHERE status IN ('done', 'failed') AND completed_at < now() - $1::interval
     LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM build_jobs AS j
-USING old
-WHERE j.id = old.id;
+    FOR UPDATE SKIP LOCKED));
 
 -- name: jobs_finish_many_and_claim
 -- Finish jobs and claim what their slots (and the prefetch buffer) have room
