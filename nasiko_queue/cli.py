@@ -564,19 +564,32 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
 
 
 def _import_bench_runner() -> Any:
-    """`benchmarks.runner` from a source checkout; an install without it says so."""
-    try:
-        return importlib.import_module("benchmarks.runner")
-    except ImportError:
-        pass
+    """
+    `benchmarks.runner` of a source checkout: the current directory's, else this package's.
+
+    The runner is not part of the wheel. After `pip install .` (not editable) the
+    package's own folder is site-packages, so the checkout to use is the one the
+    command runs in; an editable install or ``python -m nasiko_queue`` in a
+    checkout finds its own. Anything else says where to run the command.
+    """
+    cwd = os.getcwd()
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(checkout, "benchmarks", "runner.py")):
-        sys.path.insert(0, checkout)
-        return importlib.import_module("benchmarks.runner")
-    raise click.ClickException(
-        "the benchmark runner lives in the benchmarks/ folder of a source checkout, "
-        "which this installation does not have: clone the repository and run "
-        "`nasiko-queue bench` (or `python -m nasiko_queue bench`) from its root")
+    for root in dict.fromkeys((cwd, checkout)):
+        if os.path.isfile(os.path.join(root, "benchmarks", "runner.py")):
+            sys.path.insert(0, root)
+            break
+    try:
+        runner = importlib.import_module("benchmarks.runner")
+    except ImportError:
+        raise click.ClickException(
+            "the benchmark runner is the benchmarks/ folder of a source checkout, and "
+            f"neither {cwd} nor this installation has one: clone the repository and run "
+            "`nasiko-queue bench` from its root") from None
+    if not callable(getattr(runner, "run_benchmarks", None)):
+        raise click.ClickException(
+            f"{runner.__file__} is not nasiko-queue's benchmark runner: run "
+            "`nasiko-queue bench` from the root of a nasiko-queue checkout")
+    return runner
 
 
 def _admin_sql(dsn: str, statement: str) -> None:

@@ -13,9 +13,11 @@ import base64
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -397,6 +399,62 @@ async def test_worker_process_second_signal_stops_at_once(
             proc.kill()
     row = await _job(queue.db, job.job_id)
     assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 1, None)
+
+
+# -- bench -----------------------------------------------------------------------
+
+
+def _as_installed(cwd: Path, installed: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """
+    Run `code` as the `nasiko-queue` script of a non-editable install runs, in `cwd`.
+
+    The package is a copy in `installed` (a stand-in for site-packages, with no
+    checkout around it); neither the current directory nor this checkout is on
+    sys.path (`-P`), and `-S` skips the .pth files through which an editable
+    install of some checkout would make its `benchmarks` importable.
+    """
+    shutil.copytree(REPO / "nasiko_queue", installed / "nasiko_queue",
+                    ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    code = ("import nasiko_queue.cli as cli\n"
+            f"assert cli.__file__.startswith({str(installed)!r}), cli.__file__\n" + code)
+    path = os.pathsep.join([str(installed), sysconfig.get_paths()["purelib"]])
+    return subprocess.run([sys.executable, "-S", "-P", "-c", code], cwd=cwd,
+                          capture_output=True, text=True, timeout=DEADLINE, check=False,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
+def test_bench_finds_the_runner_in_the_current_directory(tmp_path: Path) -> None:
+    """After `pip install .`, `nasiko-queue bench` in the repository root uses its benchmarks/."""
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks").mkdir(parents=True)
+    (checkout / "benchmarks" / "__init__.py").write_text("")
+    (checkout / "benchmarks" / "runner.py").write_text("def run_benchmarks(): ...\n")
+    proc = _as_installed(checkout, tmp_path / "site-packages",
+                         "print(cli._import_bench_runner().__file__)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(checkout / "benchmarks" / "runner.py")
+
+
+def test_bench_outside_a_checkout_says_where_to_run_it(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _as_installed(elsewhere, tmp_path / "site-packages", "cli.main(['bench'])")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "Error: the benchmark runner is the benchmarks/ folder of a source checkout, and "
+        f"neither {elsewhere} nor this installation has one: clone the repository and run "
+        "`nasiko-queue bench` from its root"]
+
+
+def test_bench_refuses_some_other_benchmarks_folder(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    (project / "benchmarks").mkdir(parents=True)
+    (project / "benchmarks" / "runner.py").write_text("SIZES = ()\n")
+    proc = _as_installed(project, tmp_path / "site-packages", "cli.main(['bench'])")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: {project / 'benchmarks' / 'runner.py'} is not nasiko-queue's benchmark "
+        "runner: run `nasiko-queue bench` from the root of a nasiko-queue checkout"]
 
 
 # -- demo ------------------------------------------------------------------------
