@@ -33,6 +33,7 @@ import attrs
 import click
 import trio
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
@@ -471,7 +472,7 @@ def _render_status(console: Console, status: QueueStatus) -> None:
     console.print(held)
 
     style = "bold yellow" if status.claim_plan.is_warning else "green"
-    console.print(f"[{style}]{status.claim_plan.describe()}[/]")
+    console.print(f"[{style}]{escape(status.claim_plan.describe())}[/]")
 
 
 def _duration(seconds: float) -> str:
@@ -550,7 +551,7 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
     else:
         server = _start_embedded()
         try:
-            console.print(f"Started a private PostgreSQL server at {_where(server.dsn)} "
+            console.print(f"Started a private PostgreSQL server at {escape(_where(server.dsn))} "
                           "(it is removed when the demo ends).")
             report = _run(server.dsn, _demo_logged, server.dsn, console, delay, log_level)
         finally:
@@ -614,7 +615,7 @@ def _admin_sql(dsn: str, statement: str) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default="bench-results.json",
               show_default=True, help="Where to write the JSON results.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG plot here (needs matplotlib: pip install nasiko-queue[bench]).")
+              help="Write a PNG plot here (needs matplotlib: pip install 'nasiko-queue[bench]').")
 def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
                   plot_path: str | None) -> None:
     """
@@ -659,7 +660,7 @@ def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
                     await migrate(db)
 
             _run(scratch, do_migrate)
-            console.print(f"Benchmarking on {where}.")
+            console.print(f"Benchmarking on {escape(where)}.")
             result = runner.run_benchmarks(scratch, sizes, console=console, database=where)
         finally:
             _admin_sql(dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -668,13 +669,13 @@ def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
             server.cleanup()
     console.print(runner.table(result))
     runner.write_json(result, Path(out))
-    console.print(f"Results written to {out}.")
+    console.print(f"Results written to {escape(out)}.")
     if plot_path is not None:
         if runner.plot(result, Path(plot_path)):
-            console.print(f"Plot written to {plot_path}.")
+            console.print(f"Plot written to {escape(plot_path)}.")
         else:
-            console.print("No plot: matplotlib is not installed "
-                          "(pip install 'nasiko-queue[bench]').")
+            console.print(escape("No plot: matplotlib is not installed "
+                                 "(pip install 'nasiko-queue[bench]')."))
 
 
 def _wide_console() -> Console:

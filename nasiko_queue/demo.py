@@ -345,7 +345,7 @@ async def run_demo(
     """
     async with open_database(dsn) as db:
         applied = await migrate(db)
-        console.print(f"Schema: applied {', '.join(applied)}." if applied
+        console.print(escape(f"Schema: applied {', '.join(applied)}.") if applied
                       else "Schema: up to date.")
         await _refuse_busy(db)
         box = SecretBox.from_base64(generate_master_key())
@@ -356,7 +356,8 @@ async def run_demo(
         for item in staged:
             world.add(item)
         kinds = sorted({s.kind for s in SCENARIOS})
-        console.print(f"Enqueued {len(staged)} jobs of {len(kinds)} kinds: {', '.join(kinds)}.")
+        console.print(escape(f"Enqueued {len(staged)} jobs of {len(kinds)} kinds: "
+                             f"{', '.join(kinds)}."))
         at_rest = await _secret_at_rest(db, staged)
 
         worker = Worker(queue, world.executors())
@@ -549,7 +550,7 @@ def _render(console: Console, report: DemoReport) -> None:
             for value, want in zip(row.observed.cells(), row.expected.cells(), strict=True)
         ]
         mark = "[green]✓[/]" if row.ok else "[bold red]✗[/]"
-        table.add_row(mark, f"[bold]{row.kind}[/]: {escape(row.scenario)}", *cells,
+        table.add_row(mark, f"[bold]{escape(row.kind)}[/]: {escape(row.scenario)}", *cells,
                       escape(row.expected.summary()))
     console.print(table)
     shown = {row.observed.error_msg for row in report.rows} | {
@@ -563,7 +564,7 @@ def _render(console: Console, report: DemoReport) -> None:
     for row in report.rows:
         if row.note:
             mark = "[green]✓[/]" if row.note_ok else "[bold red]✗[/]"
-            console.print(f"{mark} {row.kind} secret: {escape(row.note)}")
+            console.print(f"{mark} {escape(row.kind)} secret: {escape(row.note)}")
     bad = [row for row in report.rows if not row.ok]
     if bad:
         console.print(f"[bold red]✗ {len(bad)} of {len(report.rows)} scenarios did not end as "

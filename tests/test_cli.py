@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -455,6 +456,45 @@ def test_bench_refuses_some_other_benchmarks_folder(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         f"Error: {project / 'benchmarks' / 'runner.py'} is not nasiko-queue's benchmark "
         "runner: run `nasiko-queue bench` from the root of a nasiko-queue checkout"]
+
+
+def _runner_that_measures_nothing(seen: dict[str, Any], plots: bool) -> types.SimpleNamespace:
+    """A benchmark runner that measures nothing, and plots only when `plots` (matplotlib)."""
+
+    def run_benchmarks(dsn: str, sizes: object, *, console: Console, database: str) -> Any:
+        seen["database"] = database
+        return {"meta": {}}
+
+    def write_json(result: Any, path: Path) -> None:
+        path.write_text(json.dumps(result))
+
+    return types.SimpleNamespace(
+        TINY="tiny", FULL="full", DEFAULT="default", run_benchmarks=run_benchmarks,
+        table=lambda result: "(the table)", write_json=write_json, plot=lambda *_: plots)
+
+
+@pytest.mark.parametrize("plots", [False, True], ids=["no-matplotlib", "matplotlib"])
+def test_bench_messages_keep_their_square_brackets(
+    runner: CliRunner, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plots: bool
+) -> None:
+    """Rich reads [words] as markup; the pip extra and the user's paths must survive it."""
+    import nasiko_queue.cli
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(nasiko_queue.cli, "_import_bench_runner",
+                        lambda: _runner_that_measures_nothing(seen, plots))
+    out, png = tmp_path / "results[new].json", tmp_path / "bench[new].png"
+    result = invoke(runner, "bench", "--dsn", dsn, "--out", str(out), "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text()) == {"meta": {}}
+    lines = result.stdout.splitlines()
+    assert f"Benchmarking on {seen['database']}." in lines
+    assert f"Results written to {out}." in lines
+    if plots:
+        assert f"Plot written to {png}." in lines
+    else:
+        assert ("No plot: matplotlib is not installed (pip install 'nasiko-queue[bench]')."
+                in lines)
 
 
 # -- demo ------------------------------------------------------------------------
