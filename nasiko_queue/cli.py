@@ -488,9 +488,17 @@ def _duration(seconds: float) -> str:
 # -- prune ------------------------------------------------------------------------
 
 
-def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) -> timedelta:
+@attrs.frozen
+class _Age:
+    """A duration as the user wrote it (for messages) and as a timedelta (for the query)."""
+
+    text: str
+    delta: timedelta
+
+
+def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) -> _Age:
     try:
-        return parse_duration(value)
+        return _Age(value.strip(), parse_duration(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -501,7 +509,7 @@ def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) 
               help="Age of completion, e.g. 30d, 12h, 90m, 2w.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE,
               show_default=True, help="Rows deleted per statement.")
-def prune_command(dsn: str | None, older_than: timedelta, batch_size: int) -> None:
+def prune_command(dsn: str | None, older_than: _Age, batch_size: int) -> None:
     """
     Delete done and failed jobs that completed more than --older-than ago.
 
@@ -512,11 +520,11 @@ def prune_command(dsn: str | None, older_than: timedelta, batch_size: int) -> No
 
     async def go() -> int:
         async with open_database(dsn) as db:
-            return await prune(db, older_than, batch_size)
+            return await prune(db, older_than.delta, batch_size)
 
     deleted = _run(dsn, go)
     click.echo(f"pruned {deleted} finished job{'' if deleted == 1 else 's'} "
-               f"older than {older_than}")
+               f"older than {older_than.text}")
 
 
 # -- keygen -----------------------------------------------------------------------
