@@ -389,6 +389,10 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
 @click.option("--recovery-interval", type=click.FloatRange(min=0, min_open=True),
               default=QueueConfig().recovery_interval, show_default=True,
               help="Seconds between sweeps for stuck jobs.")
+@click.option("--max-attempts", type=click.IntRange(min=1),
+              default=QueueConfig().max_attempts, show_default=True,
+              help="Runs per job (a crash is retried at once while runs remain) before it "
+                   "fails for good. Replicas sharing a table should agree on it.")
 @_log_level_option("INFO")
 def worker_command(
     dsn: str | None,
@@ -398,6 +402,7 @@ def worker_command(
     poll_interval: float,
     stuck_job_mins: int,
     recovery_interval: float,
+    max_attempts: int,
     log_level: str,
 ) -> None:
     """
@@ -422,7 +427,7 @@ def worker_command(
     try:
         config = QueueConfig(concurrency=concurrency, prefetch=prefetch,
                              poll_interval=poll_interval, stuck_job_mins=stuck_job_mins,
-                             recovery_interval=recovery_interval)
+                             recovery_interval=recovery_interval, max_attempts=max_attempts)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(_run(dsn, _work, dsn, executors, config, secrets))

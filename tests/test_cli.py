@@ -31,7 +31,7 @@ import trio
 from click.testing import CliRunner, Result
 from rich.console import Console
 
-from nasiko_queue import Database, Executors, Queue, SecretBox, open_database
+from nasiko_queue import Database, Executors, Queue, QueueConfig, SecretBox, open_database
 from nasiko_queue.cli import load_executors, main
 from nasiko_queue.demo import run_demo
 from nasiko_queue.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
@@ -274,7 +274,38 @@ def test_keygen_prints_a_usable_32_byte_key(runner: CliRunner) -> None:
 
 def test_executors_spec_forms(runner: CliRunner) -> None:
     assert isinstance(load_executors("tests.cli_executors:executors"), Executors)
-    assert load_executors("tests.cli_executors:make_executors").kinds == {"Upload", "Update"}
+    assert load_executors("tests.cli_executors:make_executors").kinds == {
+        "Upload", "Update", "Rollback"}
+
+
+def test_worker_flags_reach_the_queue_config(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tuning flag of `worker` ends up in the QueueConfig its worker runs with."""
+    import nasiko_queue.cli
+
+    configs: list[QueueConfig] = []
+
+    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr(nasiko_queue.cli, "_work", work)
+    spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
+            "tests.cli_executors:executors"]
+    assert invoke(runner, *spec).exit_code == 0
+    result = invoke(runner, *spec, "--max-attempts", "5", "--concurrency", "4",
+                    "--prefetch", "8", "--poll-interval", "0.5", "--stuck-job-mins", "90",
+                    "--recovery-interval", "30")
+    assert result.exit_code == 0, result.output
+    assert configs == [
+        QueueConfig(),
+        QueueConfig(max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
+                    stuck_job_mins=90, recovery_interval=30.0),
+    ]
+    refused = invoke(runner, *spec, "--max-attempts", "0")
+    assert refused.exit_code == 2
+    assert "--max-attempts" in refused.stderr
 
 
 @pytest.mark.parametrize(
@@ -318,13 +349,14 @@ def worker_log(tmp_path: Path) -> Iterator[Path]:
         sys.stderr.write(path.read_text())
 
 
-async def _start_worker(dsn: str, log: Path) -> trio.Process:
+async def _start_worker(dsn: str, log: Path, *flags: str) -> trio.Process:
     # An async test: the process is opened through trio, and its stderr goes to a
     # file so that a chatty worker can never block on a full pipe.
     with log.open("wb") as out:
         return await trio.lowlevel.open_process(
             [sys.executable, "-m", "nasiko_queue", "worker", "--dsn", dsn,
-             "--executors", "tests.cli_executors:executors", "--poll-interval", "0.1"],
+             "--executors", "tests.cli_executors:executors", "--poll-interval", "0.1",
+             *flags],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
         )
 
@@ -400,6 +432,29 @@ async def test_worker_process_second_signal_stops_at_once(
             proc.kill()
     row = await _job(queue.db, job.job_id)
     assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 1, None)
+
+
+@pytest.mark.slow
+async def test_worker_process_max_attempts_caps_the_runs(
+    dsn: str, queue: Queue, worker_log: Path
+) -> None:
+    """With --max-attempts 1 an executor that always raises runs once (the default: 3)."""
+    proc = await _start_worker(dsn, worker_log, "--max-attempts", "1")
+    try:
+        job = await enqueue_with_target(queue, "Rollback", prior_success=True)
+
+        async def finished() -> bool:
+            return await _job_status(queue.db, job.job_id) == "failed"
+
+        await _wait_for("the job to fail", finished, proc)
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(DEADLINE):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    row = await _job(queue.db, job.job_id)
+    assert (row["attempt"], row["error_msg"]) == (1, "job panicked during execution")
 
 
 # -- bench -----------------------------------------------------------------------
