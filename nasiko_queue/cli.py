@@ -718,43 +718,8 @@ def _start_embedded() -> EmbeddedPostgres:
 
 
 async def _demo_logged(dsn: str, console: Console, delay: float, log_level: str) -> DemoReport:
-    """
-    Run the demo with the library's log lines printed through the demo's console.
-
-    Through the console, so that they appear above the live progress display
-    instead of tearing it; one line each, because the demo's crashes are
-    simulated and their tracebacks would only bury the story.
-    """
-    from rich.logging import RichHandler
-
-    handler = RichHandler(console=console, show_path=False, show_time=False)
-    handler.setFormatter(_OneLineFormatter("%(name)s: %(message)s"))
-    logger = logging.getLogger("nasiko_queue")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(log_level.upper())
-    try:
-        return await run_demo(dsn, console=console, delay=delay)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-
-
-class _OneLineFormatter(logging.Formatter):
-    """Formats a record without its traceback, naming the innermost exception instead."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        saved = record.exc_info, record.exc_text
-        record.exc_info, record.exc_text = None, None
-        try:
-            text = super().format(record)
-        finally:
-            record.exc_info, record.exc_text = saved
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None:
-            leaf = next(iter(_leaves(exc)))
-            text += f" ({type(leaf).__name__}: {_first_line(leaf)})"
-        return text
+    """Run the demo with the library's log lines printed through the demo's console."""
+    return await run_demo(dsn, console=console, delay=delay, log_level=log_level)
 
 
 if __name__ == "__main__":  # pragma: no cover

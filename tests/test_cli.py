@@ -12,13 +12,16 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import types
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,7 +36,7 @@ from rich.console import Console
 
 from nasiko_queue import Database, Executors, Queue, QueueConfig, SecretBox, open_database
 from nasiko_queue.cli import load_executors, main
-from nasiko_queue.demo import run_demo
+from nasiko_queue.demo import DemoLog, SimulatedCrash, run_demo
 from nasiko_queue.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
 from nasiko_queue.testing import KINDS, enqueue_with_target
 
@@ -562,6 +565,49 @@ def test_demo_every_scenario_ends_as_the_spec_says(runner: CliRunner, dsn: str) 
     assert result.stdout.count("✓") == 13 + 1 + 1  # the rows, the secret note, the verdict
     assert "All 13 scenarios ended as SPEC.md says." in result.stdout
     assert "(sealed); executor received the plaintext" in result.stdout
+
+
+def test_demo_says_its_errors_are_simulated_before_they_appear(
+    runner: CliRunner, dsn: str
+) -> None:
+    """A new user must not read the crashes the scenarios provoke as the demo failing."""
+    result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    log_lines = re.findall(r"^(EXPECTED|ERROR|WARNING|INFO) +nasiko_queue", text, re.MULTILINE)
+    # 2 crashes of the flaky job, 3 + 3 of the two that always crash; 3 refusals.
+    assert log_lines == ["EXPECTED"] * 11
+    first = re.search(r"^EXPECTED ", text, re.MULTILINE)
+    assert first is not None
+    note = text.find("simulated on purpose")
+    assert 0 <= note < first.start()
+
+
+def test_demo_log_marks_only_what_the_scenarios_provoke() -> None:
+    """Real errors and warnings keep their level; each refusal is expected once only."""
+    out = io.StringIO()
+    log = logging.getLogger("nasiko_queue.worker")
+    refused = uuid.uuid4()
+    crashes = [SimulatedCrash("simulated crash of the Upload executor"),
+               ExceptionGroup("in a nursery", [SimulatedCrash("simulated crash, grouped")]),
+               RuntimeError("disk full")]
+    with DemoLog.shown(Console(file=out, width=200), "WARNING") as handler:
+        handler.expect_refusal(refused)
+        for exc in crashes:
+            log.error("job %s panicked", "j1", exc_info=exc)
+        log.warning("job %s: target agent is deleted; not running", refused)
+        log.warning("job %s update failed (%s); retrying", refused, "timeout")
+        log.warning("LISTEN connection lost")
+        log.info("not shown at WARNING")
+    assert [line.rstrip() for line in out.getvalue().splitlines()] == [
+        "EXPECTED nasiko_queue.worker: job j1 panicked "
+        "(SimulatedCrash: simulated crash of the Upload executor)",
+        "EXPECTED nasiko_queue.worker: job j1 panicked (SimulatedCrash: simulated crash, grouped)",
+        "ERROR    nasiko_queue.worker: job j1 panicked (RuntimeError: disk full)",
+        f"EXPECTED nasiko_queue.worker: job {refused}: target agent is deleted; not running",
+        f"WARNING  nasiko_queue.worker: job {refused} update failed (timeout); retrying",
+        "WARNING  nasiko_queue.worker: LISTEN connection lost",
+    ]
 
 
 def test_demo_refuses_a_database_with_unfinished_jobs(runner: CliRunner, dsn: str) -> None:
