@@ -10,7 +10,7 @@ a wrong DSN or a schema that is not migrated ends the command with one line on
 stderr and exit code 1 (2 for a usage error such as a missing ``--dsn``), never
 with a traceback. The DSN's password never appears in any message. The one
 exception is `worker` facing a server that is down or starting: it logs one line
-per try and waits for it (SPEC §5), as it does for an outage once running.
+per try and waits for it (docs/rules.md §5), as it does for an outage once running.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class _Shutdown:
 async def _watch_signals(
     signals: AsyncIterator[int], worker: Worker, scope: trio.CancelScope, shutdown: _Shutdown
 ) -> None:
-    """First SIGINT/SIGTERM: `worker.stop()` (SPEC §8 graceful). Second: cancel everything."""
+    """First SIGINT/SIGTERM: `worker.stop()` (docs/rules.md §8, graceful). Second: hard stop."""
     async for signum in signals:
         name = signal.Signals(signum).name
         if not shutdown.graceful:
@@ -555,7 +555,7 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
     """
     Show every path a job can take, with simulated builds and a real worker.
 
-    Exits 1 if any scenario ends differently from what SPEC.md says.
+    Exits 1 if any scenario ends differently from what docs/rules.md says.
     """
     console = _wide_console()
     if dsn is not None:

@@ -6,7 +6,8 @@ connectors and build rows the way the original's enqueue points do, and
 registers simulated executors (fakes of the outside world: no Docker, no
 GitHub, just the rows a real build would write, and a short sleep where the
 build would take minutes). A real `Worker` then drains the queue, and the demo
-compares what each job, build row and target ended as with what SPEC.md says.
+compares what each job, build row and target ended as with what docs/rules.md
+says.
 
 So it is both a tour for a new user and an end-to-end check: `nasiko-queue
 demo` exits non-zero when any scenario ends differently from the contract.
@@ -94,7 +95,7 @@ class Setup(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class Outcome:
-    """How a scenario's rows ended: expected (from SPEC.md) or observed."""
+    """How a scenario's rows ended: expected (from docs/rules.md) or observed."""
 
     #: build_jobs.status, or "gone" when the row was deleted by a cascade.
     job: str
@@ -122,7 +123,7 @@ class Outcome:
 
 @attrs.frozen(kw_only=True)
 class Scenario:
-    """One path through the worker, and what SPEC.md says it ends as."""
+    """One path through the worker, and what docs/rules.md says it ends as."""
 
     key: str
     kind: str
@@ -169,7 +170,7 @@ class DemoRow:
 
 @attrs.frozen
 class DemoReport:
-    """Every scenario's row; `ok` when each one ended as SPEC.md says."""
+    """Every scenario's row; `ok` when each one ended as docs/rules.md says."""
 
     rows: tuple[DemoRow, ...]
 
@@ -661,7 +662,7 @@ def _secret_note(
     return note, sealed and received
 
 
-#: Short names for the fixed error strings of SPEC §5, to keep the report narrow;
+#: Short names for the fixed error strings of docs/rules.md §5, to keep the report narrow;
 #: the report prints the full strings under the table.
 _ERROR_NAMES: Mapping[str, str] = {
     BUILD_FAILED: "build failed",
@@ -684,7 +685,7 @@ def _render(console: Console, report: DemoReport) -> None:
     table.add_column("kind: scenario", ratio=3, min_width=24)
     for header in ("job", "error_msg", "build", "target", "runs"):
         table.add_column(header)
-    table.add_column("expected (SPEC.md)", ratio=2, min_width=20)
+    table.add_column("expected (docs/rules.md)", ratio=2, min_width=20)
     for row in report.rows:
         cells = [
             escape(value) if value == want else f"[red]{escape(value)}[/]"
@@ -709,6 +710,7 @@ def _render(console: Console, report: DemoReport) -> None:
     bad = [row for row in report.rows if not row.ok]
     if bad:
         console.print(f"[bold red]✗ {len(bad)} of {len(report.rows)} scenarios did not end as "
-                      "SPEC.md says.[/]")
+                      "docs/rules.md says.[/]")
     else:
-        console.print(f"[bold green]✓ All {len(report.rows)} scenarios ended as SPEC.md says.[/]")
+        console.print(f"[bold green]✓ All {len(report.rows)} scenarios ended as docs/rules.md "
+                      "says.[/]")

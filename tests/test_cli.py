@@ -558,12 +558,15 @@ def test_bench_messages_keep_their_square_brackets(
 # -- demo ------------------------------------------------------------------------
 
 
-def test_demo_every_scenario_ends_as_the_spec_says(runner: CliRunner, dsn: str) -> None:
+def test_demo_every_scenario_ends_as_the_rules_say(runner: CliRunner, dsn: str) -> None:
     result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
     assert result.exit_code == 0, result.output
     assert "✗" not in result.stdout
     assert result.stdout.count("✓") == 13 + 1 + 1  # the rows, the secret note, the verdict
-    assert "All 13 scenarios ended as SPEC.md says." in result.stdout
+    assert "All 13 scenarios ended as docs/rules.md says." in result.stdout
+    assert "expected (docs/rules.md)" in result.stdout
+    # The contract the project was built from is not in the repository: never cite it.
+    assert "SPEC" not in result.output
     assert "(sealed); executor received the plaintext" in result.stdout
 
 
@@ -634,5 +637,5 @@ def test_demo_without_dsn_uses_a_private_server(runner: CliRunner) -> None:
     result = invoke(runner, "demo", "--delay", "0")
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("Started a private PostgreSQL server at 127.0.0.1:")
-    assert "All 13 scenarios ended as SPEC.md says." in result.stdout
+    assert "All 13 scenarios ended as docs/rules.md says." in result.stdout
     assert result.stdout.rstrip().endswith("Removed the private PostgreSQL server.")
