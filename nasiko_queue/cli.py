@@ -588,13 +588,16 @@ def _import_bench_runner() -> Any:
     """
     cwd = os.getcwd()
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for root in dict.fromkeys((cwd, checkout)):
-        if os.path.isfile(os.path.join(root, "benchmarks", "runner.py")):
-            sys.path.insert(0, root)
-            break
+    found = next((root for root in (cwd, checkout)
+                  if os.path.isfile(os.path.join(root, "benchmarks", "runner.py"))), None)
+    if found is not None:
+        sys.path.insert(0, found)
     try:
         runner = importlib.import_module("benchmarks.runner")
-    except ImportError:
+    except ImportError as exc:
+        if found is not None:
+            raise click.ClickException(
+                f"cannot import the benchmark runner of {found}: {exc}") from None
         raise click.ClickException(
             "the benchmark runner is the benchmarks/ folder of a source checkout, and "
             f"neither {cwd} nor this installation has one: clone the repository and run "
