@@ -31,10 +31,27 @@ async def test_embedding_example_runs(dsn: str, capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out.strip().splitlines()[-1] == "done"
 
 
-def test_readme_names_the_two_setup_commands() -> None:
-    text = README.read_text()
-    assert "nasiko-queue demo" in text
-    assert "python -m pytest" in text
+def _setup_commands() -> list[str]:
+    """The commands of the README's "Set up" section, each `a && b` split, comments dropped."""
+    section = README.read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.DOTALL)
+    return [command.strip() for block in blocks for line in block.splitlines()
+            for command in line.split("#", 1)[0].split("&&") if command.strip()]
+
+
+def test_readme_names_the_setup_commands() -> None:
+    assert _setup_commands() == [
+        "pip install .", "nasiko-queue demo",
+        "pip install '.[test]'", "python -m pytest",
+        'python -m pytest -m "not slow"',
+    ]
+
+
+def test_ci_runs_the_readme_setup_commands_as_printed() -> None:
+    """`.ci/run` proves the README's commands only if it runs them, letter for letter."""
+    ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+    for command in _setup_commands():
+        assert command in ci, command
 
 
 def _user_facing_documents() -> list[Path]:
