@@ -3,7 +3,7 @@ nasiko-queue: a durable job queue for long, crash-prone jobs, on PostgreSQL and 
 
 General layout (each module is named for what it holds):
 
-* ``config``      the constants of SPEC §3 and `QueueConfig`
+* ``config``      the defaults of docs/rules.md §3 and `QueueConfig`
 * ``payloads``    the job payload types and their one wire converter
 * ``secrets``     sealing of secret payload fields at rest
 * ``database``    asyncpg through trio-asyncio, one bridge crossing per operation

@@ -10,7 +10,7 @@ a wrong DSN or a schema that is not migrated ends the command with one line on
 stderr and exit code 1 (2 for a usage error such as a missing ``--dsn``), never
 with a traceback. The DSN's password never appears in any message. The one
 exception is `worker` facing a server that is down or starting: it logs one line
-per try and waits for it (SPEC §5), as it does for an outage once running.
+per try and waits for it (docs/rules.md §5), as it does for an outage once running.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import attrs
 import click
 import trio
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
@@ -281,7 +282,7 @@ class _Shutdown:
 async def _watch_signals(
     signals: AsyncIterator[int], worker: Worker, scope: trio.CancelScope, shutdown: _Shutdown
 ) -> None:
-    """First SIGINT/SIGTERM: `worker.stop()` (SPEC §8 graceful). Second: cancel everything."""
+    """First SIGINT/SIGTERM: `worker.stop()` (docs/rules.md §8, graceful). Second: hard stop."""
     async for signum in signals:
         name = signal.Signals(signum).name
         if not shutdown.graceful:
@@ -302,7 +303,7 @@ async def _check_schema(db: Database) -> None:
     Fail fast on a database the worker cannot use.
 
     The worker itself never gives up on the database (it waits and reconnects,
-    SPEC §5), which is right once it runs, but a wrong DSN or an unmigrated
+    docs/rules.md §5), which is right once it runs, but a wrong DSN or an unmigrated
     database at startup is a mistake to report, not an outage to wait out.
     """
     applied = {row["version"] for row in await db.fetch(Q.migrations_applied)}
@@ -334,7 +335,7 @@ async def _check_schema_when_up(
     """
     `_check_schema`, waiting out a server that cannot be reached yet.
 
-    SPEC §5: losing the database makes the worker wait and reconnect, never exit;
+    docs/rules.md §5: losing the database makes the worker wait and reconnect, never exit;
     that holds at startup too (a worker may come up before its database). Returns
     False when a signal asked the worker to stop before the database answered.
     """
@@ -385,6 +386,10 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
 @click.option("--recovery-interval", type=click.FloatRange(min=0, min_open=True),
               default=QueueConfig().recovery_interval, show_default=True,
               help="Seconds between sweeps for stuck jobs.")
+@click.option("--max-attempts", type=click.IntRange(min=1),
+              default=QueueConfig().max_attempts, show_default=True,
+              help="Runs per job (a crash is retried at once while runs remain) before it "
+                   "fails for good. Replicas sharing a table should agree on it.")
 @_log_level_option("INFO")
 def worker_command(
     dsn: str | None,
@@ -394,6 +399,7 @@ def worker_command(
     poll_interval: float,
     stuck_job_mins: int,
     recovery_interval: float,
+    max_attempts: int,
     log_level: str,
 ) -> None:
     """
@@ -418,7 +424,7 @@ def worker_command(
     try:
         config = QueueConfig(concurrency=concurrency, prefetch=prefetch,
                              poll_interval=poll_interval, stuck_job_mins=stuck_job_mins,
-                             recovery_interval=recovery_interval)
+                             recovery_interval=recovery_interval, max_attempts=max_attempts)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(_run(dsn, _work, dsn, executors, config, secrets))
@@ -468,7 +474,7 @@ def _render_status(console: Console, status: QueueStatus) -> None:
     console.print(held)
 
     style = "bold yellow" if status.claim_plan.is_warning else "green"
-    console.print(f"[{style}]{status.claim_plan.describe()}[/]")
+    console.print(f"[{style}]{escape(status.claim_plan.describe())}[/]")
 
 
 def _duration(seconds: float) -> str:
@@ -484,9 +490,17 @@ def _duration(seconds: float) -> str:
 # -- prune ------------------------------------------------------------------------
 
 
-def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) -> timedelta:
+@attrs.frozen
+class _Age:
+    """A duration as the user wrote it (for messages) and as a timedelta (for the query)."""
+
+    text: str
+    delta: timedelta
+
+
+def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) -> _Age:
     try:
-        return parse_duration(value)
+        return _Age(value.strip(), parse_duration(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -497,7 +511,7 @@ def _parse_older_than(_ctx: click.Context, _param: click.Parameter, value: str) 
               help="Age of completion, e.g. 30d, 12h, 90m, 2w.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE,
               show_default=True, help="Rows deleted per statement.")
-def prune_command(dsn: str | None, older_than: timedelta, batch_size: int) -> None:
+def prune_command(dsn: str | None, older_than: _Age, batch_size: int) -> None:
     """
     Delete done and failed jobs that completed more than --older-than ago.
 
@@ -508,11 +522,11 @@ def prune_command(dsn: str | None, older_than: timedelta, batch_size: int) -> No
 
     async def go() -> int:
         async with open_database(dsn) as db:
-            return await prune(db, older_than, batch_size)
+            return await prune(db, older_than.delta, batch_size)
 
     deleted = _run(dsn, go)
     click.echo(f"pruned {deleted} finished job{'' if deleted == 1 else 's'} "
-               f"older than {older_than}")
+               f"older than {older_than.text}")
 
 
 # -- keygen -----------------------------------------------------------------------
@@ -538,7 +552,7 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
     """
     Show every path a job can take, with simulated builds and a real worker.
 
-    Exits 1 if any scenario ends differently from what SPEC.md says.
+    Exits 1 if any scenario ends differently from what docs/rules.md says.
     """
     console = _wide_console()
     if dsn is not None:
@@ -547,7 +561,7 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
     else:
         server = _start_embedded()
         try:
-            console.print(f"Started a private PostgreSQL server at {_where(server.dsn)} "
+            console.print(f"Started a private PostgreSQL server at {escape(_where(server.dsn))} "
                           "(it is removed when the demo ends).")
             report = _run(server.dsn, _demo_logged, server.dsn, console, delay, log_level)
         finally:
@@ -561,19 +575,35 @@ def demo_command(dsn: str | None, delay: float, log_level: str) -> None:
 
 
 def _import_bench_runner() -> Any:
-    """`benchmarks.runner` from a source checkout; an install without it says so."""
-    try:
-        return importlib.import_module("benchmarks.runner")
-    except ImportError:
-        pass
+    """
+    `benchmarks.runner` of a source checkout: the current directory's, else this package's.
+
+    The runner is not part of the wheel. After `pip install .` (not editable) the
+    package's own folder is site-packages, so the checkout to use is the one the
+    command runs in; an editable install or ``python -m nasiko_queue`` in a
+    checkout finds its own. Anything else says where to run the command.
+    """
+    cwd = os.getcwd()
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(checkout, "benchmarks", "runner.py")):
-        sys.path.insert(0, checkout)
-        return importlib.import_module("benchmarks.runner")
-    raise click.ClickException(
-        "the benchmark runner lives in the benchmarks/ folder of a source checkout, "
-        "which this installation does not have: clone the repository and run "
-        "`nasiko-queue bench` (or `python -m nasiko_queue bench`) from its root")
+    found = next((root for root in (cwd, checkout)
+                  if os.path.isfile(os.path.join(root, "benchmarks", "runner.py"))), None)
+    if found is not None:
+        sys.path.insert(0, found)
+    try:
+        runner = importlib.import_module("benchmarks.runner")
+    except ImportError as exc:
+        if found is not None:
+            raise click.ClickException(
+                f"cannot import the benchmark runner of {found}: {exc}") from None
+        raise click.ClickException(
+            "the benchmark runner is the benchmarks/ folder of a source checkout, and "
+            f"neither {cwd} nor this installation has one: clone the repository and run "
+            "`nasiko-queue bench` from its root") from None
+    if not callable(getattr(runner, "run_benchmarks", None)):
+        raise click.ClickException(
+            f"{runner.__file__} is not nasiko-queue's benchmark runner: run "
+            "`nasiko-queue bench` from the root of a nasiko-queue checkout")
+    return runner
 
 
 def _admin_sql(dsn: str, statement: str) -> None:
@@ -598,7 +628,7 @@ def _admin_sql(dsn: str, statement: str) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default="bench-results.json",
               show_default=True, help="Where to write the JSON results.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG plot here (needs matplotlib: pip install nasiko-queue[bench]).")
+              help="Write a PNG plot here (needs matplotlib: pip install 'nasiko-queue[bench]').")
 def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
                   plot_path: str | None) -> None:
     """
@@ -643,7 +673,7 @@ def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
                     await migrate(db)
 
             _run(scratch, do_migrate)
-            console.print(f"Benchmarking on {where}.")
+            console.print(f"Benchmarking on {escape(where)}.")
             result = runner.run_benchmarks(scratch, sizes, console=console, database=where)
         finally:
             _admin_sql(dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -652,13 +682,13 @@ def bench_command(dsn: str | None, full: bool, tiny: bool, out: str,
             server.cleanup()
     console.print(runner.table(result))
     runner.write_json(result, Path(out))
-    console.print(f"Results written to {out}.")
+    console.print(f"Results written to {escape(out)}.")
     if plot_path is not None:
         if runner.plot(result, Path(plot_path)):
-            console.print(f"Plot written to {plot_path}.")
+            console.print(f"Plot written to {escape(plot_path)}.")
         else:
-            console.print("No plot: matplotlib is not installed "
-                          "(pip install 'nasiko-queue[bench]').")
+            console.print(escape("No plot: matplotlib is not installed "
+                                 "(pip install 'nasiko-queue[bench]')."))
 
 
 def _wide_console() -> Console:
@@ -688,43 +718,8 @@ def _start_embedded() -> EmbeddedPostgres:
 
 
 async def _demo_logged(dsn: str, console: Console, delay: float, log_level: str) -> DemoReport:
-    """
-    Run the demo with the library's log lines printed through the demo's console.
-
-    Through the console, so that they appear above the live progress display
-    instead of tearing it; one line each, because the demo's crashes are
-    simulated and their tracebacks would only bury the story.
-    """
-    from rich.logging import RichHandler
-
-    handler = RichHandler(console=console, show_path=False, show_time=False)
-    handler.setFormatter(_OneLineFormatter("%(name)s: %(message)s"))
-    logger = logging.getLogger("nasiko_queue")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(log_level.upper())
-    try:
-        return await run_demo(dsn, console=console, delay=delay)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-
-
-class _OneLineFormatter(logging.Formatter):
-    """Formats a record without its traceback, naming the innermost exception instead."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        saved = record.exc_info, record.exc_text
-        record.exc_info, record.exc_text = None, None
-        try:
-            text = super().format(record)
-        finally:
-            record.exc_info, record.exc_text = saved
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None:
-            leaf = next(iter(_leaves(exc)))
-            text += f" ({type(leaf).__name__}: {_first_line(leaf)})"
-        return text
+    """Run the demo with the library's log lines printed through the demo's console."""
+    return await run_demo(dsn, console=console, delay=delay, log_level=log_level)
 
 
 if __name__ == "__main__":  # pragma: no cover

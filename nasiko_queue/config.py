@@ -1,9 +1,9 @@
 """
 The queue's constants, named once, and the configuration that overrides them.
 
-The defaults are the original build worker's (SPEC.md §3). Tests and operators
+The defaults are the original build worker's (docs/rules.md §3). Tests and operators
 override them through `QueueConfig`; nothing else in the package hard-codes a
-number that SPEC.md names.
+number that docs/rules.md names.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class QueueConfig:
     `make_interval(mins => $n)` exactly as the original does.
     """
 
-    #: Runs per job before it is failed for good (SPEC §5 cap, §7 sweep).
+    #: Runs per job before it is failed for good (docs/rules.md §5 cap, §7 sweep).
     max_attempts: int = attrs.field(default=MAX_ATTEMPTS, validator=_at_least_one)
     #: Age of `picked_at` after which an `in_progress` job counts as stuck.
     stuck_job_mins: int = attrs.field(default=STUCK_JOB_MINS, validator=_at_least_one)
@@ -104,7 +104,7 @@ class QueueConfig:
     #: Outages are retried for as long as they last and do not count.
     terminalize_tries: int = attrs.field(default=5, validator=_at_least_one)
     #: Kinds that other replicas run and this one does not know: this worker
-    #: leaves them pending instead of failing them as invalid (SPEC §5 claims
+    #: leaves them pending instead of failing them as invalid (docs/rules.md §5 claims
     #: every unknown kind). Use it during rolling deploys that add a job type.
     other_kinds: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     #: NOTIFY channel: `enqueue` signals it in the inserting transaction (once per
@@ -123,8 +123,8 @@ class QueueConfig:
     #: When set, the worker's recovery tick also deletes done/failed jobs whose
     #: `completed_at` is older than this (`nasiko_queue.retention.prune`).
     retention: timedelta | None = attrs.field(default=None, validator=_retention)
-    #: Whether `enqueue` seals the `env` values of Upload, Clone and GithubClone (SPEC §2
-    #: [decision]; McpServerUpload's are always sealed). Turn it off only while replicas
+    #: Whether `enqueue` seals the `env` values of Upload, Clone and GithubClone (docs/rules.md §2
+    #:; McpServerUpload's are always sealed). Turn it off only while replicas
     #: running the original worker's code share the table: they read those values as
     #: plaintext and would hand a sealed token to the build as the value. Off, the values
     #: sit in the table in plaintext and no master key is needed for them. Either way,

@@ -6,7 +6,8 @@ connectors and build rows the way the original's enqueue points do, and
 registers simulated executors (fakes of the outside world: no Docker, no
 GitHub, just the rows a real build would write, and a short sleep where the
 build would take minutes). A real `Worker` then drains the queue, and the demo
-compares what each job, build row and target ended as with what SPEC.md says.
+compares what each job, build row and target ended as with what docs/rules.md
+says.
 
 So it is both a tour for a new user and an end-to-end check: `nasiko-queue
 demo` exits non-zero when any scenario ends differently from the contract.
@@ -18,18 +19,22 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import secrets
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from uuid import UUID
 
 import attrs
 import trio
 from rich import box
-from rich.console import Console
+from rich.console import Console, ConsoleRenderable
+from rich.logging import RichHandler
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ._sql import Q
 from .config import QueueConfig
@@ -54,6 +59,10 @@ DEFAULT_GIVE_UP_AFTER = 120.0
 #: The env key of the McpServerUpload scenario's secret. Its value is random per
 #: run, so that finding it in the payload column could not be a coincidence.
 _DEMO_ENV_KEY = "API_TOKEN"
+
+
+class SimulatedCrash(RuntimeError):
+    """What a simulated executor raises on purpose; the demo's log marks it as expected."""
 
 
 class Behaviour(enum.Enum):
@@ -86,7 +95,7 @@ class Setup(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class Outcome:
-    """How a scenario's rows ended: expected (from SPEC.md) or observed."""
+    """How a scenario's rows ended: expected (from docs/rules.md) or observed."""
 
     #: build_jobs.status, or "gone" when the row was deleted by a cascade.
     job: str
@@ -114,7 +123,7 @@ class Outcome:
 
 @attrs.frozen(kw_only=True)
 class Scenario:
-    """One path through the worker, and what SPEC.md says it ends as."""
+    """One path through the worker, and what docs/rules.md says it ends as."""
 
     key: str
     kind: str
@@ -130,6 +139,16 @@ class Scenario:
     @property
     def is_connector(self) -> bool:
         return self.kind == "McpServerUpload"
+
+    @property
+    def crashes(self) -> bool:
+        """Its executor raises on purpose (the worker logs an ERROR for each run)."""
+        return self.behaviour in (Behaviour.CRASH, Behaviour.FLAKY)
+
+    @property
+    def refused(self) -> bool:
+        """The worker refuses to run it, on purpose (and logs a WARNING saying why)."""
+        return self.setup in (Setup.SOFT_DELETED, Setup.INVALID_PAYLOAD, Setup.ATTEMPTS_USED)
 
 
 @attrs.frozen(kw_only=True)
@@ -151,7 +170,7 @@ class DemoRow:
 
 @attrs.frozen
 class DemoReport:
-    """Every scenario's row; `ok` when each one ended as SPEC.md says."""
+    """Every scenario's row; `ok` when each one ended as docs/rules.md says."""
 
     rows: tuple[DemoRow, ...]
 
@@ -271,7 +290,7 @@ class SimulatedWorld:
         if behaviour is Behaviour.CRASH or (
             behaviour is Behaviour.FLAKY and len(self.runs[build_id]) <= 2
         ):
-            raise RuntimeError(f"simulated crash of the {ctx.payload.kind} executor")
+            raise SimulatedCrash(f"simulated crash of the {ctx.payload.kind} executor")
         if behaviour is Behaviour.VANISH:
             # What the API's DELETE of an agent does, while the build is running.
             await ctx.db.execute(Q.agent_delete, ctx.target.agent_id)
@@ -323,12 +342,118 @@ class BusyDatabase(NasikoQueueError):
     """
 
 
+#: Printed before the worker starts, so that the log lines of the failures the
+#: scenarios provoke on purpose do not read as the demo going wrong.
+SIMULATED_NOTE = (
+    "Starting the worker. Some scenarios make their executor crash, or give the worker a "
+    "job it must refuse, so the log below has errors and warnings: they are simulated on "
+    "purpose and marked [cyan]EXPECTED[/]. A line marked ERROR or WARNING would be a real "
+    "problem; the table at the end checks how every job ended."
+)
+
+
+class DemoLog(RichHandler):
+    """
+    The library's log lines, drawn through the demo's console, one line each.
+
+    Through the console, so that they appear above the live progress display
+    instead of tearing it; one line each, because the demo's crashes are
+    simulated and their tracebacks would only bury the story. The lines the
+    scenarios provoke on purpose (a `SimulatedCrash`, and the one warning with
+    which the worker refuses each job staged to be refused) are marked
+    EXPECTED and dimmed; every other line keeps its level and colour, so a real
+    problem still stands out.
+    """
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(console=console, show_path=False, show_time=False)
+        self.setFormatter(_OneLineFormatter("%(name)s: %(message)s"))
+        self._refusals: set[str] = set()
+        #: Whether the record being emitted is an expected one (set by `emit`).
+        self._expected = False
+
+    @classmethod
+    @contextmanager
+    def shown(cls, console: Console, level: str) -> Iterator[DemoLog]:
+        """Show the ``nasiko_queue`` loggers' records from `level` up, for the block."""
+        handler = cls(console)
+        logger = logging.getLogger("nasiko_queue")
+        old_level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(level.upper())
+        try:
+            yield handler
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+
+    def expect_refusal(self, job_id: UUID) -> None:
+        """The worker will refuse this job on purpose; its first warning is expected."""
+        self._refusals.add(str(job_id))
+
+    def is_expected(self, record: logging.LogRecord) -> bool:
+        """Whether a scenario provoked this record on purpose (each refusal counts once)."""
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            return all(isinstance(leaf, SimulatedCrash) for leaf in _leaves(exc))
+        if record.levelno != logging.WARNING:
+            return False
+        message = record.getMessage()
+        for job_id in self._refusals:
+            if job_id in message:
+                self._refusals.discard(job_id)
+                return True
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._expected = self.is_expected(record)
+        super().emit(record)
+
+    def get_level_text(self, record: logging.LogRecord) -> Text:
+        if self._expected:
+            return Text("EXPECTED", style="cyan")
+        return super().get_level_text(record)
+
+    def render_message(self, record: logging.LogRecord, message: str) -> ConsoleRenderable:
+        rendered = super().render_message(record, message)
+        if self._expected and isinstance(rendered, Text):
+            rendered.stylize("dim")
+        return rendered
+
+
+class _OneLineFormatter(logging.Formatter):
+    """Formats a record without its traceback, naming the innermost exception instead."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            text = super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            leaf = next(iter(_leaves(exc)))
+            lines = str(leaf).strip().splitlines()
+            text += f" ({type(leaf).__name__}: {lines[0] if lines else ''})"
+        return text
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
 async def run_demo(
     dsn: str,
     *,
     console: Console,
     delay: float = DEFAULT_DELAY,
     give_up_after: float = DEFAULT_GIVE_UP_AFTER,
+    log_level: str | None = None,
 ) -> DemoReport:
     """
     Migrate `dsn`, enqueue every scenario, drain them with a real `Worker`, report.
@@ -339,13 +464,25 @@ async def run_demo(
         delay: seconds each simulated build step sleeps; 0 in tests.
         give_up_after: seconds to wait for the jobs; then the worker is
             cancelled and the unfinished scenarios are reported as mismatches.
+        log_level: show the library's log from this level up through `console`,
+            the lines the scenarios provoke on purpose marked EXPECTED (None:
+            leave logging alone).
 
     Raises:
         BusyDatabase: the database has pending or running jobs of its own.
     """
+    if log_level is None:
+        return await _run_demo(dsn, console, delay, give_up_after, None)
+    with DemoLog.shown(console, log_level) as log:
+        return await _run_demo(dsn, console, delay, give_up_after, log)
+
+
+async def _run_demo(
+    dsn: str, console: Console, delay: float, give_up_after: float, log: DemoLog | None
+) -> DemoReport:
     async with open_database(dsn) as db:
         applied = await migrate(db)
-        console.print(f"Schema: applied {', '.join(applied)}." if applied
+        console.print(escape(f"Schema: applied {', '.join(applied)}.") if applied
                       else "Schema: up to date.")
         await _refuse_busy(db)
         box = SecretBox.from_base64(generate_master_key())
@@ -356,8 +493,14 @@ async def run_demo(
         for item in staged:
             world.add(item)
         kinds = sorted({s.kind for s in SCENARIOS})
-        console.print(f"Enqueued {len(staged)} jobs of {len(kinds)} kinds: {', '.join(kinds)}.")
+        console.print(escape(f"Enqueued {len(staged)} jobs of {len(kinds)} kinds: "
+                             f"{', '.join(kinds)}."))
         at_rest = await _secret_at_rest(db, staged)
+        if log is not None:
+            for item in staged:
+                if item.scenario.refused:
+                    log.expect_refusal(item.job_id)
+            console.print(SIMULATED_NOTE)
 
         worker = Worker(queue, world.executors())
         async with trio.open_nursery() as nursery:
@@ -519,7 +662,7 @@ def _secret_note(
     return note, sealed and received
 
 
-#: Short names for the fixed error strings of SPEC §5, to keep the report narrow;
+#: Short names for the fixed error strings of docs/rules.md §5, to keep the report narrow;
 #: the report prints the full strings under the table.
 _ERROR_NAMES: Mapping[str, str] = {
     BUILD_FAILED: "build failed",
@@ -542,14 +685,14 @@ def _render(console: Console, report: DemoReport) -> None:
     table.add_column("kind: scenario", ratio=3, min_width=24)
     for header in ("job", "error_msg", "build", "target", "runs"):
         table.add_column(header)
-    table.add_column("expected (SPEC.md)", ratio=2, min_width=20)
+    table.add_column("expected (docs/rules.md)", ratio=2, min_width=20)
     for row in report.rows:
         cells = [
             escape(value) if value == want else f"[red]{escape(value)}[/]"
             for value, want in zip(row.observed.cells(), row.expected.cells(), strict=True)
         ]
         mark = "[green]✓[/]" if row.ok else "[bold red]✗[/]"
-        table.add_row(mark, f"[bold]{row.kind}[/]: {escape(row.scenario)}", *cells,
+        table.add_row(mark, f"[bold]{escape(row.kind)}[/]: {escape(row.scenario)}", *cells,
                       escape(row.expected.summary()))
     console.print(table)
     shown = {row.observed.error_msg for row in report.rows} | {
@@ -563,10 +706,11 @@ def _render(console: Console, report: DemoReport) -> None:
     for row in report.rows:
         if row.note:
             mark = "[green]✓[/]" if row.note_ok else "[bold red]✗[/]"
-            console.print(f"{mark} {row.kind} secret: {escape(row.note)}")
+            console.print(f"{mark} {escape(row.kind)} secret: {escape(row.note)}")
     bad = [row for row in report.rows if not row.ok]
     if bad:
         console.print(f"[bold red]✗ {len(bad)} of {len(report.rows)} scenarios did not end as "
-                      "SPEC.md says.[/]")
+                      "docs/rules.md says.[/]")
     else:
-        console.print(f"[bold green]✓ All {len(report.rows)} scenarios ended as SPEC.md says.[/]")
+        console.print(f"[bold green]✓ All {len(report.rows)} scenarios ended as docs/rules.md "
+                      "says.[/]")

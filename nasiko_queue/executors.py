@@ -54,7 +54,7 @@ class Executors:
     ... async def build_upload(ctx: JobContext[Upload]) -> None: ...
 
     Registering a user-defined `Payload` subclass also teaches the worker to
-    parse it (SPEC §5: "add a job type in four steps").
+    parse it (docs/rules.md §2: an application may add job kinds of its own).
     """
 
     def __init__(self) -> None:

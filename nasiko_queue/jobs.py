@@ -43,7 +43,7 @@ from .terminalize import terminalize_target
 
 log = logging.getLogger("nasiko_queue.jobs")
 
-# The fixed strings a job's error_msg may hold (SPEC §5). Raw exception text goes
+# The fixed strings a job's error_msg may hold (docs/rules.md §5). Raw exception text goes
 # to the log only, never into the row.
 MAX_ATTEMPTS_EXCEEDED = "max attempts exceeded"
 INVALID_PAYLOAD = "invalid job payload"
@@ -312,7 +312,7 @@ class PgJobStore:
         """
         Mark the job failed with `message`, in one transaction with its target.
 
-        With `terminalize`, the target goes terminal (SPEC §6). Without it (the
+        With `terminalize`, the target goes terminal (docs/rules.md §6). Without it (the
         soft-deleted agent), only the job's own build row is ended. Returns
         False when the job is no longer ours. `own_build_id` None: read from the
         row (a payload that does not parse).
@@ -373,7 +373,7 @@ class PgJobStore:
 
     async def recover(self) -> RecoveryResult:
         """
-        The two recovery steps of SPEC §7.
+        The two recovery steps of docs/rules.md §7.
 
         Exhausted stuck jobs are failed one by one, each in a transaction of its
         own with its target's terminalization (target locked first): one job

@@ -1,7 +1,7 @@
 """
 Job payloads: what a job asks the executor to do, and its JSON form in `build_jobs.payload`.
 
-The payload is a tagged union (SPEC §2). On the wire it is exactly what the original Rust
+The payload is a tagged union (docs/rules.md §2). On the wire it is exactly what the original Rust
 worker's serde writes for ``#[serde(tag = "kind")] enum BuildJobPayload``: one JSON object,
 ``"kind"`` first with the variant name in PascalCase, then the fields in declaration order,
 ``null`` for an absent optional, hyphenated UUIDs. A row written by either side parses on the
@@ -807,7 +807,7 @@ def raw_build_id(data: object) -> UUID | None:
     The build id of a payload that may not parse, or None.
 
     The worker fails an invalid job's build row too, so that its target does not stay
-    non-terminal (SPEC §6); this digs the id out of whatever the row holds.
+    non-terminal (docs/rules.md §6); this digs the id out of whatever the row holds.
     """
     if not isinstance(data, dict):
         return None

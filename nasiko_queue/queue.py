@@ -5,9 +5,9 @@ Enqueue inserts the job row (inside the caller's transaction when one is given,
 so the target rows, the build row and the job commit or vanish together) and
 wakes the worker after commit: in-process workers directly, every other worker
 (any process, any replica) through a NOTIFY sent in the inserting transaction,
-once per transaction. The wake is fire-and-forget (SPEC §4
-[decision]): a full wake channel already guarantees a drain, so a wake that
-does not fit is dropped, and enqueue never waits for a worker.
+once per transaction. The wake is fire-and-forget (docs/rules.md §4): a full
+wake channel already guarantees a drain, so a wake that does not fit is dropped,
+and enqueue never waits for a worker.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Queue:
 
     Args:
         db: from `open_database()`.
-        config: the constants of SPEC §3 and the worker's knobs.
+        config: the constants of docs/rules.md §3 and the worker's knobs.
         secrets: seals the secret fields of payloads (the `env` of
             McpServerUpload, and of Upload, Clone and GithubClone unless
             `config.seal_agent_env` is off) at enqueue and opens them for the

@@ -1,7 +1,7 @@
 """
 Retention: delete finished jobs older than a given age, in small batches.
 
-The queue table keeps every done and failed job (SPEC.md: the row is the job's
+The queue table keeps every done and failed job (docs/rules.md §1: the row is the job's
 history). Left alone, a year of history is millions of rows; the claim stays
 fast (it reads the partial index of pending jobs only), but the table, its
 backups and `status` grow without bound. `prune` deletes done/failed rows whose

@@ -2,10 +2,10 @@
 Secret values in job payloads: a wrapper that will not print, and the box that seals them.
 
 A payload sits in `build_jobs.payload` for as long as the row lives, and rows are read by
-people debugging the queue. So the values of a *sealed* payload field (SPEC §2: the `env` of
-McpServerUpload, and by default of Upload, Clone and GithubClone) are stored encrypted, and
-in memory they travel as `Secret`, whose repr is a row of stars, so that no log line,
-traceback or `print(payload)` shows them.
+people debugging the queue. So the values of a *sealed* payload field (docs/rules.md §2:
+the `env` of McpServerUpload, and by default of Upload, Clone and GithubClone) are stored
+encrypted, and in memory they travel as `Secret`, whose repr is a row of stars, so that no
+log line, traceback or `print(payload)` shows them.
 
 Each owner gets their own key, derived from one master key, so that a value sealed for one
 owner cannot be moved into another owner's job and decrypted there. The value is also bound

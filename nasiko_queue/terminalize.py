@@ -4,7 +4,7 @@ Terminalization: drive a job's target to a state that will never change again.
 When a job fails for good (attempt cap, invalid payload, last panic, exhausted
 stuck job), nobody will ever finish its agent or connector. Left alone, the
 agent would stay 'deploying' and its build 'building' forever, and every client
-waiting on them would wait forever (the original's RUN-4 bug). SPEC.md §6.
+waiting on them would wait forever (the original's RUN-4 bug). docs/rules.md §6.
 
 The functions here run on the asyncio side with one connection, inside the
 transaction that also marks the job failed: either both happen or neither does,

@@ -1,7 +1,7 @@
 """
 The worker: one trio nursery that turns wake-ups into drains.
 
-Shape (SPEC §5, §8)::
+Shape (docs/rules.md §5, §8)::
 
     run()
       recover stuck jobs (retried until the database answers), then started()
@@ -684,7 +684,7 @@ class Worker:
 
     async def _process(self, job: ClaimedJob) -> _Finish | None:
         """
-        Take one claimed job through SPEC §5 steps 1-4 and run its executor.
+        Take one claimed job through docs/rules.md §5 steps 1-4 and run its executor.
 
         Returns the finish for the fetcher to record (step 5) when the executor
         returned; every other outcome (cap, invalid payload, deleted target,
@@ -751,12 +751,12 @@ class Worker:
             return None
 
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
-        """The cap (SPEC §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""
+        """The cap (docs/rules.md §5 step 1): this claim is one more than MAX_ATTEMPTS allows."""
         return job.old_attempt >= self.config.max_attempts
 
     async def _reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
         """
-        SPEC §5 [decision]: the documented rule, old_attempt + 1 >= MAX_ATTEMPTS fails.
+        docs/rules.md §5: the documented rule, old_attempt + 1 >= MAX_ATTEMPTS fails.
 
         So a job that always raises runs exactly MAX_ATTEMPTS times and ends
         failed with attempt = MAX_ATTEMPTS; otherwise it goes back to the front
@@ -806,7 +806,7 @@ class Worker:
         fallback: Callable[[], Awaitable[T]] | None = None,
     ) -> T:
         """
-        A final update: retried with backoff until it succeeds (SPEC §5 [decision]).
+        A final update: retried with backoff until it succeeds (docs/rules.md §5).
 
         A finished job's result must not be lost, or the sweep would run the
         build again. So each attempt is shielded from a hard stop (and bounded
@@ -952,7 +952,7 @@ class Worker:
 
     async def _startup_recovery(self) -> bool:
         """
-        The sweep before `started()` (SPEC §5), retried with backoff while the
+        The sweep before `started()` (docs/rules.md §5), retried with backoff while the
         database is away; False if `stop()` came first.
 
         Only an outage is waited for. An error the database gives on its merits

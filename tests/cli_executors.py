@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import trio
 
-from nasiko_queue import Executors, JobContext, Update, Upload
+from nasiko_queue import Executors, JobContext, Rollback, Update, Upload
 from nasiko_queue.testing import set_build_status
 
 executors = Executors()
@@ -20,12 +20,17 @@ async def build_upload(ctx: JobContext[Upload]) -> None:
     await set_build_status(ctx.db, ctx.payload, "success")
 
 
-
 @executors.register(Update)
 async def build_update_forever(ctx: JobContext[Update]) -> None:
     """A build that never ends by itself, for the hard-stop test."""
     await set_build_status(ctx.db, ctx.payload, "building")
     await trio.sleep_forever()
+
+
+@executors.register(Rollback)
+async def build_rollback_crashes(ctx: JobContext[Rollback]) -> None:
+    """A build that always raises, for the attempt-cap test."""
+    raise RuntimeError("this executor always crashes")
 
 
 def make_executors() -> Executors:

@@ -12,10 +12,16 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import types
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,9 +34,9 @@ import trio
 from click.testing import CliRunner, Result
 from rich.console import Console
 
-from nasiko_queue import Database, Executors, Queue, SecretBox, open_database
+from nasiko_queue import Database, Executors, Queue, QueueConfig, SecretBox, open_database
 from nasiko_queue.cli import load_executors, main
-from nasiko_queue.demo import run_demo
+from nasiko_queue.demo import DemoLog, SimulatedCrash, run_demo
 from nasiko_queue.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
 from nasiko_queue.testing import KINDS, enqueue_with_target
 
@@ -271,7 +277,38 @@ def test_keygen_prints_a_usable_32_byte_key(runner: CliRunner) -> None:
 
 def test_executors_spec_forms(runner: CliRunner) -> None:
     assert isinstance(load_executors("tests.cli_executors:executors"), Executors)
-    assert load_executors("tests.cli_executors:make_executors").kinds == {"Upload", "Update"}
+    assert load_executors("tests.cli_executors:make_executors").kinds == {
+        "Upload", "Update", "Rollback"}
+
+
+def test_worker_flags_reach_the_queue_config(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tuning flag of `worker` ends up in the QueueConfig its worker runs with."""
+    import nasiko_queue.cli
+
+    configs: list[QueueConfig] = []
+
+    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr(nasiko_queue.cli, "_work", work)
+    spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
+            "tests.cli_executors:executors"]
+    assert invoke(runner, *spec).exit_code == 0
+    result = invoke(runner, *spec, "--max-attempts", "5", "--concurrency", "4",
+                    "--prefetch", "8", "--poll-interval", "0.5", "--stuck-job-mins", "90",
+                    "--recovery-interval", "30")
+    assert result.exit_code == 0, result.output
+    assert configs == [
+        QueueConfig(),
+        QueueConfig(max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
+                    stuck_job_mins=90, recovery_interval=30.0),
+    ]
+    refused = invoke(runner, *spec, "--max-attempts", "0")
+    assert refused.exit_code == 2
+    assert "--max-attempts" in refused.stderr
 
 
 @pytest.mark.parametrize(
@@ -315,13 +352,14 @@ def worker_log(tmp_path: Path) -> Iterator[Path]:
         sys.stderr.write(path.read_text())
 
 
-async def _start_worker(dsn: str, log: Path) -> trio.Process:
+async def _start_worker(dsn: str, log: Path, *flags: str) -> trio.Process:
     # An async test: the process is opened through trio, and its stderr goes to a
     # file so that a chatty worker can never block on a full pipe.
     with log.open("wb") as out:
         return await trio.lowlevel.open_process(
             [sys.executable, "-m", "nasiko_queue", "worker", "--dsn", dsn,
-             "--executors", "tests.cli_executors:executors", "--poll-interval", "0.1"],
+             "--executors", "tests.cli_executors:executors", "--poll-interval", "0.1",
+             *flags],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
         )
 
@@ -399,16 +437,180 @@ async def test_worker_process_second_signal_stops_at_once(
     assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 1, None)
 
 
+@pytest.mark.slow
+async def test_worker_process_max_attempts_caps_the_runs(
+    dsn: str, queue: Queue, worker_log: Path
+) -> None:
+    """With --max-attempts 1 an executor that always raises runs once (the default: 3)."""
+    proc = await _start_worker(dsn, worker_log, "--max-attempts", "1")
+    try:
+        job = await enqueue_with_target(queue, "Rollback", prior_success=True)
+
+        async def finished() -> bool:
+            return await _job_status(queue.db, job.job_id) == "failed"
+
+        await _wait_for("the job to fail", finished, proc)
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(DEADLINE):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    row = await _job(queue.db, job.job_id)
+    assert (row["attempt"], row["error_msg"]) == (1, "job panicked during execution")
+
+
+# -- bench -----------------------------------------------------------------------
+
+
+def _as_installed(cwd: Path, installed: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """
+    Run `code` as the `nasiko-queue` script of a non-editable install runs, in `cwd`.
+
+    The package is a copy in `installed` (a stand-in for site-packages, with no
+    checkout around it); neither the current directory nor this checkout is on
+    sys.path (`-P`), and `-S` skips the .pth files through which an editable
+    install of some checkout would make its `benchmarks` importable.
+    """
+    shutil.copytree(REPO / "nasiko_queue", installed / "nasiko_queue",
+                    ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    code = ("import nasiko_queue.cli as cli\n"
+            f"assert cli.__file__.startswith({str(installed)!r}), cli.__file__\n" + code)
+    path = os.pathsep.join([str(installed), sysconfig.get_paths()["purelib"]])
+    return subprocess.run([sys.executable, "-S", "-P", "-c", code], cwd=cwd,
+                          capture_output=True, text=True, timeout=DEADLINE, check=False,
+                          env={**os.environ, "PYTHONPATH": path})
+
+
+def test_bench_finds_the_runner_in_the_current_directory(tmp_path: Path) -> None:
+    """After `pip install .`, `nasiko-queue bench` in the repository root uses its benchmarks/."""
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks").mkdir(parents=True)
+    (checkout / "benchmarks" / "__init__.py").write_text("")
+    (checkout / "benchmarks" / "runner.py").write_text("def run_benchmarks(): ...\n")
+    proc = _as_installed(checkout, tmp_path / "site-packages",
+                         "print(cli._import_bench_runner().__file__)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(checkout / "benchmarks" / "runner.py")
+
+
+def test_bench_outside_a_checkout_says_where_to_run_it(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _as_installed(elsewhere, tmp_path / "site-packages", "cli.main(['bench'])")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "Error: the benchmark runner is the benchmarks/ folder of a source checkout, and "
+        f"neither {elsewhere} nor this installation has one: clone the repository and run "
+        "`nasiko-queue bench` from its root"]
+
+
+def test_bench_refuses_some_other_benchmarks_folder(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    (project / "benchmarks").mkdir(parents=True)
+    (project / "benchmarks" / "runner.py").write_text("SIZES = ()\n")
+    proc = _as_installed(project, tmp_path / "site-packages", "cli.main(['bench'])")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: {project / 'benchmarks' / 'runner.py'} is not nasiko-queue's benchmark "
+        "runner: run `nasiko-queue bench` from the root of a nasiko-queue checkout"]
+
+
+def _runner_that_measures_nothing(seen: dict[str, Any], plots: bool) -> types.SimpleNamespace:
+    """A benchmark runner that measures nothing, and plots only when `plots` (matplotlib)."""
+
+    def run_benchmarks(dsn: str, sizes: object, *, console: Console, database: str) -> Any:
+        seen["database"] = database
+        return {"meta": {}}
+
+    def write_json(result: Any, path: Path) -> None:
+        path.write_text(json.dumps(result))
+
+    return types.SimpleNamespace(
+        TINY="tiny", FULL="full", DEFAULT="default", run_benchmarks=run_benchmarks,
+        table=lambda result: "(the table)", write_json=write_json, plot=lambda *_: plots)
+
+
+@pytest.mark.parametrize("plots", [False, True], ids=["no-matplotlib", "matplotlib"])
+def test_bench_messages_keep_their_square_brackets(
+    runner: CliRunner, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plots: bool
+) -> None:
+    """Rich reads [words] as markup; the pip extra and the user's paths must survive it."""
+    import nasiko_queue.cli
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(nasiko_queue.cli, "_import_bench_runner",
+                        lambda: _runner_that_measures_nothing(seen, plots))
+    out, png = tmp_path / "results[new].json", tmp_path / "bench[new].png"
+    result = invoke(runner, "bench", "--dsn", dsn, "--out", str(out), "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text()) == {"meta": {}}
+    lines = result.stdout.splitlines()
+    assert f"Benchmarking on {seen['database']}." in lines
+    assert f"Results written to {out}." in lines
+    if plots:
+        assert f"Plot written to {png}." in lines
+    else:
+        assert ("No plot: matplotlib is not installed (pip install 'nasiko-queue[bench]')."
+                in lines)
+
+
 # -- demo ------------------------------------------------------------------------
 
 
-def test_demo_every_scenario_ends_as_the_spec_says(runner: CliRunner, dsn: str) -> None:
+def test_demo_every_scenario_ends_as_the_rules_say(runner: CliRunner, dsn: str) -> None:
     result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
     assert result.exit_code == 0, result.output
     assert "✗" not in result.stdout
     assert result.stdout.count("✓") == 13 + 1 + 1  # the rows, the secret note, the verdict
-    assert "All 13 scenarios ended as SPEC.md says." in result.stdout
+    assert "All 13 scenarios ended as docs/rules.md says." in result.stdout
+    assert "expected (docs/rules.md)" in result.stdout
+    # The contract the project was built from is not in the repository: never cite it.
+    assert "SPEC" not in result.output
     assert "(sealed); executor received the plaintext" in result.stdout
+
+
+def test_demo_says_its_errors_are_simulated_before_they_appear(
+    runner: CliRunner, dsn: str
+) -> None:
+    """A new user must not read the crashes the scenarios provoke as the demo failing."""
+    result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    log_lines = re.findall(r"^(EXPECTED|ERROR|WARNING|INFO) +nasiko_queue", text, re.MULTILINE)
+    # 2 crashes of the flaky job, 3 + 3 of the two that always crash; 3 refusals.
+    assert log_lines == ["EXPECTED"] * 11
+    first = re.search(r"^EXPECTED ", text, re.MULTILINE)
+    assert first is not None
+    note = text.find("simulated on purpose")
+    assert 0 <= note < first.start()
+
+
+def test_demo_log_marks_only_what_the_scenarios_provoke() -> None:
+    """Real errors and warnings keep their level; each refusal is expected once only."""
+    out = io.StringIO()
+    log = logging.getLogger("nasiko_queue.worker")
+    refused = uuid.uuid4()
+    crashes = [SimulatedCrash("simulated crash of the Upload executor"),
+               ExceptionGroup("in a nursery", [SimulatedCrash("simulated crash, grouped")]),
+               RuntimeError("disk full")]
+    with DemoLog.shown(Console(file=out, width=200), "WARNING") as handler:
+        handler.expect_refusal(refused)
+        for exc in crashes:
+            log.error("job %s panicked", "j1", exc_info=exc)
+        log.warning("job %s: target agent is deleted; not running", refused)
+        log.warning("job %s update failed (%s); retrying", refused, "timeout")
+        log.warning("LISTEN connection lost")
+        log.info("not shown at WARNING")
+    assert [line.rstrip() for line in out.getvalue().splitlines()] == [
+        "EXPECTED nasiko_queue.worker: job j1 panicked "
+        "(SimulatedCrash: simulated crash of the Upload executor)",
+        "EXPECTED nasiko_queue.worker: job j1 panicked (SimulatedCrash: simulated crash, grouped)",
+        "ERROR    nasiko_queue.worker: job j1 panicked (RuntimeError: disk full)",
+        f"EXPECTED nasiko_queue.worker: job {refused}: target agent is deleted; not running",
+        f"WARNING  nasiko_queue.worker: job {refused} update failed (timeout); retrying",
+        "WARNING  nasiko_queue.worker: LISTEN connection lost",
+    ]
 
 
 def test_demo_refuses_a_database_with_unfinished_jobs(runner: CliRunner, dsn: str) -> None:
@@ -435,5 +637,5 @@ def test_demo_without_dsn_uses_a_private_server(runner: CliRunner) -> None:
     result = invoke(runner, "demo", "--delay", "0")
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("Started a private PostgreSQL server at 127.0.0.1:")
-    assert "All 13 scenarios ended as SPEC.md says." in result.stdout
+    assert "All 13 scenarios ended as docs/rules.md says." in result.stdout
     assert result.stdout.rstrip().endswith("Removed the private PostgreSQL server.")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -142,9 +144,30 @@ async def test_an_edited_migration_is_refused(empty_dsn: str) -> None:
             await migrate(db, [Migration("0001", "a", "CREATE TABLE a (x bigint)")])
 
 
+def test_the_test_extra_installs_the_build_backend() -> None:
+    """
+    `pip install '.[test]'` must bring everything `python -m pytest` needs.
+
+    The wheel test below builds without build isolation (no network in a test), so
+    the build backend of [build-system] must come with the `test` extra.
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    backends = {_requirement_name(r) for r in project["build-system"]["requires"]}
+    test_extra = {_requirement_name(r)
+                  for r in project["project"]["optional-dependencies"]["test"]}
+    assert backends <= test_extra
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower()
+
+
 @pytest.mark.slow
-def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
-    """An installed wheel must be able to migrate: the SQL files travel inside it."""
+def test_wheel_ships_the_migrations_and_the_type_marker(tmp_path: Path) -> None:
+    """
+    An installed wheel must be able to migrate (the SQL files travel inside it), and
+    its users' type checkers must read its annotations (PEP 561's py.typed).
+    """
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path), str(ROOT)], check=True)
     (wheel,) = tmp_path.glob("nasiko_queue-*.whl")
@@ -152,3 +175,4 @@ def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
     assert "nasiko_queue/migrations/0001_schema.sql" in names
     assert "nasiko_queue/migrations/0003_mcp.sql" in names
     assert "nasiko_queue/sql/queries.sql" in names
+    assert "nasiko_queue/py.typed" in names

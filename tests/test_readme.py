@@ -1,4 +1,4 @@
-"""The README's embedding example is code that runs, not prose that rots."""
+"""The README's embedding example is code that runs, not prose that rots; and its links hold."""
 
 from __future__ import annotations
 
@@ -6,10 +6,18 @@ import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from nasiko_queue.cli import main
 from nasiko_queue.secrets import generate_master_key
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RULES = ROOT / "docs" / "rules.md"
+
+#: A mention of the behaviour contract this project was built from, which lives
+#: outside the repository: a reader who follows it finds nothing.
+_ABSENT_CONTRACT = re.compile(r"\bSPEC\b|shared/")
 
 
 def _python_blocks() -> list[str]:
@@ -24,7 +32,59 @@ async def test_embedding_example_runs(dsn: str, capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out.strip().splitlines()[-1] == "done"
 
 
-def test_readme_names_the_two_setup_commands() -> None:
-    text = README.read_text()
-    assert "nasiko-queue demo" in text
-    assert "python -m pytest" in text
+def _setup_commands() -> list[str]:
+    """The commands of the README's "Set up" section, each `a && b` split, comments dropped."""
+    section = README.read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.DOTALL)
+    return [command.strip() for block in blocks for line in block.splitlines()
+            for command in line.split("#", 1)[0].split("&&") if command.strip()]
+
+
+def test_readme_names_the_setup_commands() -> None:
+    assert _setup_commands() == [
+        "pip install .", "nasiko-queue demo",
+        "pip install '.[test]'", "python -m pytest",
+        'python -m pytest -m "not slow"',
+    ]
+
+
+def test_ci_runs_the_readme_setup_commands_as_printed() -> None:
+    """`.ci/run` proves the README's commands only if it runs them, letter for letter."""
+    ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+    for command in _setup_commands():
+        assert command in ci, command
+
+
+def _user_facing_documents() -> list[Path]:
+    return [README, ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md",
+            *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_documents_send_readers_to_docs_rules_not_to_an_absent_spec() -> None:
+    assert RULES in _user_facing_documents()
+    for path in _user_facing_documents():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not _ABSENT_CONTRACT.search(line), f"{path.name}:{number}: {line}"
+    assert "docs/rules.md" in README.read_text()
+
+
+def test_cli_help_never_cites_an_absent_spec() -> None:
+    runner = CliRunner()
+    for command in [[], *([name] for name in main.commands)]:
+        result = runner.invoke(main, [*command, "--help"])
+        assert result.exit_code == 0, result.output
+        assert not _ABSENT_CONTRACT.search(result.output), (command, result.output)
+
+
+def test_links_to_docs_rules_sections_exist() -> None:
+    """Every `docs/rules.md#anchor` and `docs/rules.md §n` cited names a heading there."""
+    headings = re.findall(r"^#+ (.+)$", RULES.read_text(), flags=re.MULTILINE)
+    anchors = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+    numbers = {h.split(".")[0] for h in headings if h[0].isdigit()}
+    for path in _user_facing_documents():
+        text = path.read_text()
+        link = r"\]\(#([\w-]+)\)" if path == RULES else r"docs/rules\.md#([\w-]+)"
+        for anchor in re.findall(link, text):
+            assert anchor in anchors, f"{path.name}: #{anchor}"
+        for number in re.findall(r"docs/rules\.md §(\d+)", text):
+            assert number in numbers, f"{path.name}: docs/rules.md §{number}"

@@ -86,6 +86,28 @@ def test_cli_prune(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "not a duration" in bad.output
 
 
+@pytest.mark.parametrize(("older_than", "shown"),
+                         [("30d", "30d"), ("45s", "45s"), ("1.5h", "1.5h"), (" 2W ", "2W")])
+def test_cli_prune_says_the_age_as_the_user_wrote_it(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, older_than: str, shown: str
+) -> None:
+    """Not `30 days, 0:00:00` or `0:00:45`: the command line's own words."""
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+
+    async def setup() -> None:
+        async with open_database(dsn) as db:
+            ids = await _jobs(Queue(db), 2)
+            await _stage(db, ids[:1], "done", "40 days")
+
+    trio.run(setup)
+    runner = CliRunner()
+    result = runner.invoke(main, ["prune", "--dsn", dsn, "--older-than", older_than])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"pruned 1 finished job older than {shown}\n"
+    again = runner.invoke(main, ["prune", "--dsn", dsn, "--older-than", older_than])
+    assert again.output == f"pruned 0 finished jobs older than {shown}\n"
+
+
 async def test_worker_prunes_on_its_recovery_tick(queue: Queue, db: Database) -> None:
     ids = await _jobs(queue, 2)
     await _stage(db, ids[:1], "done", "10 days")

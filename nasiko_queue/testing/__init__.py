@@ -1,9 +1,9 @@
 """
-Testing support: helpers that play the application's part, and a model of SPEC.md.
+Testing support: helpers that play the application's part, and a model of docs/rules.md.
 
 * `nasiko_queue.testing` (this module): create agents, connectors, build rows
   and jobs the way the original's enqueue points do; `QueueModel`, the
-  executable form of SPEC.md §5–§7. No dependency beyond the library's own.
+  executable form of docs/rules.md §5–§7. No dependency beyond the library's own.
 * `nasiko_queue.testing.machine`: the Hypothesis state machine that drives the
   real engine against the model (needs ``hypothesis``: ``pip install
   nasiko-queue[test]``).

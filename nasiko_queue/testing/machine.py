@@ -6,7 +6,7 @@ not, for an agent or a connector, with or without an earlier successful
 build), let a worker drain with each run's outcome chosen by Hypothesis,
 crash a worker right after its claim, age stuck rows, sweep, delete targets,
 run two workers at once — and then compares the whole database with the model
-and checks the invariants of SPEC.md. A failure comes back shrunk to the
+and checks the invariants of docs/rules.md. A failure comes back shrunk to the
 shortest sequence of steps that breaks a rule.
 
 Use it on your own executors: they meet a scripted outside world
@@ -103,7 +103,7 @@ settings.register_profile(
 #: Invalid payloads the machine enqueues (by plain SQL, as a buggy or foreign writer would).
 INVALID_SHAPES = ("missing_fields", "unknown_kind", "wrong_type", "not_an_object")
 
-#: The configuration the machine runs the engine with: SPEC's constants, a tiny
+#: The configuration the machine runs the engine with: the default limits, a tiny
 #: wake channel (so that a burst of enqueues fills it) and quick retries.
 HARNESS_CONFIG = QueueConfig(
     wake_capacity=4,

@@ -1,5 +1,5 @@
 """
-The executable form of SPEC.md §5–§7: what every row must be after each event.
+The executable form of docs/rules.md §5–§7: what every row must be after each event.
 
 `QueueModel` has no I/O. Given the same events as the real engine (enqueue, a
 drain in which each run of each job does what the script says, a crashed
@@ -7,7 +7,7 @@ worker's claim, aging, a sweep, deletions), it says what every job row (status,
 attempt, error_msg, whether picked_at and completed_at are set) and every
 target and build row must be. The state machine in `machine.py` drives the real
 engine and this model side by side and compares them after every step; a
-reader can also check the model against SPEC.md line by line, which is the
+reader can also check the model against docs/rules.md line by line, which is the
 point of keeping it this plain.
 
 .. versionadded:: 0.1.0
@@ -106,7 +106,7 @@ class DrainResult:
 @attrs.define
 class QueueModel:
     """
-    The queue as SPEC.md says it must be.
+    The queue as docs/rules.md says it must be.
 
     Args:
         max_attempts: MAX_ATTEMPTS.
@@ -160,7 +160,7 @@ class QueueModel:
     # -- the claim ----------------------------------------------------------------------
 
     def claimable(self) -> list[JobState]:
-        """Pending jobs a worker would claim, oldest first (SPEC §5 Claim)."""
+        """Pending jobs a worker would claim, oldest first (docs/rules.md §5, the claim)."""
         return sorted(
             (j for j in self.jobs.values()
              if j.status == "pending"
@@ -275,7 +275,7 @@ class QueueModel:
             # A job that will never run ends its own build row.
             target.builds[job.build_id] = "failed"
 
-    # -- terminalization (SPEC §6) ------------------------------------------------------
+    # -- terminalization (docs/rules.md §6) ---------------------------------------------
 
     def _terminalize(self, target: TargetState, own_build: UUID | None) -> None:
         if target.kind is TargetKind.AGENT:
@@ -297,7 +297,7 @@ class QueueModel:
             else:
                 self.hard_delete(target.id)
 
-    # -- recovery (SPEC §7) -------------------------------------------------------------
+    # -- recovery (docs/rules.md §7) ----------------------------------------------------
 
     def age(self) -> None:
         """Every in_progress row's picked_at moves past the stuck threshold."""
