@@ -10,17 +10,23 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
 
+import attrs
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 import nasiko_queue.jobs
+import nasiko_queue.worker
 from nasiko_queue import Database, Queue, Worker, open_database
+from nasiko_queue._sql import Q
 from nasiko_queue.jobs import ClaimedJob, JobStore, PgJobStore, RecoveryResult
 from nasiko_queue.testing.machine import QueueStateMachine, profile, run_queue_state_machine
 
-#: Enough examples to find each bug; Hypothesis stops at the first failure and shrinks it.
-HUNT = settings(profile(), max_examples=100)
+#: The machine's default profile (`nasiko-ci`: 20 examples of up to 25 steps,
+#: derandomized): each planted bug must be found within the budget a user's own
+#: run of the machine has. Hypothesis stops at the first failure and shrinks it.
+HUNT = profile()
 
 
 class _Mutant(QueueStateMachine):
@@ -38,26 +44,51 @@ class _Mutant(QueueStateMachine):
 
 
 async def _expect_failure(dsn: str, machine: type[QueueStateMachine], *,
-                          rule_timeout: float = 20.0) -> str:
-    """Run the machine; it must fail. Returns the shrunk example Hypothesis reports."""
+                          rule_timeout: float = 20.0, shrink: bool = True) -> str:
+    """
+    Run the machine; it must fail. Returns the example Hypothesis reports.
+
+    With `shrink`, the example must come back shrunk to at most 8 steps (rules,
+    not counting the checks after each). Shrinking against a real database is
+    most of a hunt's time, so the newer mutants only show that the default
+    profile finds their bug (the first five show the shrinking too).
+    """
+    hunt = HUNT if shrink else settings(HUNT, phases=[Phase.explicit, Phase.generate])
     async with open_database(dsn) as db:
         with pytest.raises(BaseException) as caught:  # noqa: PT011 (any failure counts)
-            await run_queue_state_machine(db, machine, settings=HUNT,
+            await run_queue_state_machine(db, machine, settings=hunt,
                                           rule_timeout=rule_timeout)
     # Hypothesis may report several distinct bugs at once, as an exception group.
     failures = _leaves(caught.value)
     reports = ["\n".join(getattr(exc, "__notes__", [])) for exc in failures]
     for report in reports:
         assert "state." in report, f"no falsifying example reported: {failures!r}"
-        steps = [line for line in report.splitlines() if line.startswith("state.")]
-        assert 1 <= len(steps) <= 8, f"not shrunk to a short example:\n{report}"
+        steps = [line for line in report.splitlines() if line.startswith("state.")
+                 and not line.startswith(_NOT_STEPS)]
+        assert steps, f"no step in the example:\n{report}"
+        if shrink:
+            assert len(steps) <= 8, f"not shrunk to a short example:\n{report}"
     return "\n".join(reports)
+
+
+#: Lines of a reported example that are not rules: set-up, checks, tear-down.
+_NOT_STEPS = ("state.start_empty(", "state.database_equals_model(", "state.teardown(")
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
     return [exc]
+
+
+def _mutated(**changes: tuple[str, str]) -> Any:
+    """`Q` with text replaced in the named statements (each replacement must apply)."""
+    fields = {}
+    for name, (old, new) in changes.items():
+        text = getattr(Q, name)
+        assert old in text, f"{name} no longer contains {old!r}: update the mutant"
+        fields[name] = text.replace(old, new)
+    return attrs.evolve(Q, **fields)
 
 
 class CapOffByOne(Worker):
@@ -117,6 +148,102 @@ async def test_finds_terminalization_that_forgets_connectors(
 
     monkeypatch.setattr(nasiko_queue.jobs, "terminalize_target", forgets_connectors)
     await _expect_failure(dsn, QueueStateMachine)
+
+
+class EndlessCrashRetries(Worker):
+    async def _reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
+        # bug: a crash always goes back to pending, however many runs it had
+        await self._final("reset", lambda: self._store.reset(job))
+        self.wake()
+
+
+class FailsAnAttemptEarly(Worker):
+    async def _reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
+        if job.old_attempt + 2 >= self.config.max_attempts:  # bug: + 2
+            await self._fail(job, nasiko_queue.worker.JOB_PANICKED, own_build_id=build_id)
+        else:
+            await self._final("reset", lambda: self._store.reset(job))
+            self.wake()
+
+
+@pytest.mark.slow
+async def test_finds_crash_retries_that_never_end(dsn: str) -> None:
+    notes = await _expect_failure(dsn, type("M", (_Mutant,),
+                                            {"worker_class": EndlessCrashRetries}),
+                                  shrink=False)
+    assert re.search(r"state\.enqueue(_crash_loop)?\(", notes), notes
+
+
+@pytest.mark.slow
+async def test_finds_a_crash_that_fails_its_job_an_attempt_early(dsn: str) -> None:
+    notes = await _expect_failure(dsn, type("M", (_Mutant,),
+                                            {"worker_class": FailsAnAttemptEarly}),
+                                  shrink=False)
+    assert re.search(r"state\.enqueue(_crash_loop)?\(", notes), notes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unit", ["secs", "hours"])
+async def test_finds_a_sweep_whose_threshold_is_in_the_wrong_unit(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, unit: str
+) -> None:
+    """make_interval(secs => 60) or (hours => 60) instead of (mins => 60)."""
+    wrong = ("make_interval(mins => $1)", f"make_interval({unit} => $1)")
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(
+        jobs_stuck_exhausted=wrong, jobs_reset_stuck=wrong,
+        job_fail=("make_interval(mins => $4)", f"make_interval({unit} => $4)")))
+    notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
+    assert "state.age_stuck_jobs(" in notes or "state.poison_job()" in notes, notes
+
+
+@pytest.mark.slow
+async def test_finds_a_finish_that_takes_any_status_but_failed_as_success(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(jobs_finish_many_and_claim=(
+        "SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,\n"
+        "        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,",
+        "SET status = CASE WHEN o.build_status = 'failed' THEN 'failed' ELSE 'done' END,\n"
+        "        error_msg = CASE WHEN o.build_status = 'failed' THEN $5 END,")))
+    notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
+    assert "state.enqueue(" in notes, notes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write", ["finish", "fail", "reset"])
+async def test_finds_final_writes_that_do_not_check_the_claim_is_current(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """A write guarded by the job id and status only, not by the claim's attempt:
+    a worker whose claim was handed on overwrites its successor's."""
+    statement, guard = {
+        "finish": ("jobs_finish_many_and_claim",
+                   "WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt"),
+        "fail": ("job_fail", "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
+        "reset": ("job_reset_to_pending",
+                  "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
+    }[write]
+    # The attempt is still passed, but no longer compared with the row's.
+    unguarded = guard.rsplit(" AND ", 1)[0] + (
+        " AND $2::int IS NOT NULL" if write != "finish" else "")
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(**{statement: (guard, unguarded)}))
+    # Which rule meets the stale write first depends on timing (a hard stop's
+    # release is a reset too); any failing example counts.
+    await _expect_failure(dsn, QueueStateMachine, shrink=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("message", ["JOB_PANICKED", "BUILD_FAILED", "MAX_ATTEMPTS_EXCEEDED"])
+async def test_finds_a_changed_error_message(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, message: str
+) -> None:
+    """The engine writes a message that is not the documented one (the model spells
+    each out itself; it does not import the engine's)."""
+    changed = getattr(nasiko_queue.jobs, message).replace(" ", "  ", 1)
+    for module in (nasiko_queue.jobs, nasiko_queue.worker):
+        if hasattr(module, message):
+            monkeypatch.setattr(module, message, changed)
+    await _expect_failure(dsn, QueueStateMachine, shrink=False)
 
 
 class BlockingWakeQueue(Queue):

@@ -21,5 +21,6 @@ from .fixtures import insert_connector as insert_connector
 from .fixtures import insert_connector_build as insert_connector_build
 from .fixtures import make_payload as make_payload
 from .fixtures import set_build_status as set_build_status
+from .model import CLASSIC_OUTCOMES as CLASSIC_OUTCOMES
 from .model import Outcome as Outcome
 from .model import QueueModel as QueueModel

@@ -78,7 +78,15 @@ from .fixtures import (
     insert_connector_build,
     make_payload,
 )
-from .model import Outcome, QueueModel, TargetKind, TargetState
+from .model import (
+    CLASSIC_OUTCOMES,
+    JOB_PANICKED,
+    TERMINALIZING,
+    Outcome,
+    QueueModel,
+    TargetKind,
+    TargetState,
+)
 
 T = TypeVar("T")
 
@@ -204,6 +212,9 @@ def scripted_executors(
             if ctx.target.agent_id is not None:
                 await ctx.db.execute(Q.agent_soft_delete, ctx.target.agent_id)
             await world.report(ctx, "success", "running")
+        elif outcome is Outcome.REPORT_BUILDING:
+            await world.report(ctx, "building")
+        # Outcome.NO_REPORT: return with the build row as it was.
 
     executors = Executors()
     for payload_type in payload_types:
@@ -230,12 +241,18 @@ class QueueStateMachine(RuleBasedStateMachine):
     * `make_payload(kind, target_id, build_id, owner_id, name)`: your payloads;
     * `make_executors(world)`: your executors, driven by `world.begin(ctx)`;
     * `make_queue(db)`: your `Queue` (configuration, secrets);
-    * `config`: the `QueueConfig` (keep the tiny wake channel to test wakes).
+    * `config`: the `QueueConfig` (keep the tiny wake channel to test wakes);
+    * `outcomes`: what `world.begin(ctx)` may tell a run to do. By default every
+      `Outcome` with the built-in scripted executors, and `CLASSIC_OUTCOMES`
+      (no `NO_REPORT`, no `REPORT_BUILDING`) once you override
+      `make_executors`: set it to every `Outcome` when your executors play those
+      two as well (return without reporting; report 'building' and return).
     """
 
     _env: ClassVar[_Env | None] = None
     kinds: ClassVar[tuple[str, ...]] = KINDS
     config: ClassVar[QueueConfig] = HARNESS_CONFIG
+    outcomes: ClassVar[tuple[Outcome, ...] | None] = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -248,7 +265,8 @@ class QueueStateMachine(RuleBasedStateMachine):
         self.executors = self.make_executors(self.world)
         known = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES) | self.executors.kinds
         self.model = QueueModel(max_attempts=self.config.max_attempts,
-                                runnable=self.executors.kinds, known=known)
+                                runnable=self.executors.kinds, known=known,
+                                stuck_job_mins=self.config.stuck_job_mins)
         self.known = known
         self.store = self.make_store()
         self.finished: dict[UUID, tuple[Any, ...]] = {}
@@ -281,6 +299,28 @@ class QueueStateMachine(RuleBasedStateMachine):
 
     # -- plumbing ------------------------------------------------------------------------
 
+    def _outcomes(self) -> tuple[Outcome, ...]:
+        if self.outcomes is not None:
+            return self.outcomes
+        if type(self).make_executors is QueueStateMachine.make_executors:
+            return tuple(Outcome)
+        return CLASSIC_OUTCOMES
+
+    def _playable(self, plan: Sequence[Outcome]) -> tuple[Outcome, ...]:
+        """The plan as this machine's configuration can check it exactly."""
+        if self.config.concurrency > 1:
+            # With several jobs running at once, a hang (which hard-stops the
+            # worker, cancelling its other jobs too) has no single right answer
+            # for the model; there the executor crashes instead.
+            plan = [Outcome.RAISE if o is Outcome.HANG else o for o in plan]
+        elif self.config.prefetch:
+            # With prefetch, a crashed job's retry runs behind the jobs already
+            # in the buffer, at a point that depends on timing; the model runs it
+            # at once. Failing instead keeps the order (and so which jobs a hang
+            # or a stop cuts off) exact; the concurrent machine covers crashes.
+            plan = [Outcome.FAIL if o is Outcome.RAISE else o for o in plan]
+        return tuple(plan)
+
     def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         async def bounded() -> T:
             with trio.fail_after(self.env.rule_timeout):
@@ -305,10 +345,10 @@ class QueueStateMachine(RuleBasedStateMachine):
     @rule(
         kind=st.sampled_from(KINDS),
         prior_success=st.booleans(),
-        plan=st.lists(st.sampled_from(Outcome), max_size=4),
+        data=st.data(),
         stored_attempt=st.sampled_from((0, 0, 0, 1, 2, 3, 4)),
     )
-    def enqueue(self, kind: str, prior_success: bool, plan: list[Outcome],
+    def enqueue(self, kind: str, prior_success: bool, data: st.DataObject,
                 stored_attempt: int) -> None:
         """
         A valid job for a new target (as the original's enqueue points create it).
@@ -318,18 +358,22 @@ class QueueStateMachine(RuleBasedStateMachine):
         """
         if kind not in self.kinds:
             kind = self.kinds[0]
-        if self.config.concurrency > 1:
-            # With several jobs running at once, a hang (which hard-stops the
-            # worker, cancelling its other jobs too) has no single right answer
-            # for the model; there the executor crashes instead.
-            plan = [Outcome.RAISE if o is Outcome.HANG else o for o in plan]
-        elif self.config.prefetch:
-            # With prefetch, a crashed job's retry runs behind the jobs already
-            # in the buffer, at a point that depends on timing; the model runs it
-            # at once. Failing instead keeps the order (and so which jobs a hang
-            # or a stop cuts off) exact; the concurrent machine covers crashes.
-            plan = [Outcome.FAIL if o is Outcome.RAISE else o for o in plan]
-        self._call(self._enqueue, kind, prior_success, tuple(plan), stored_attempt)
+        plan = data.draw(st.lists(st.sampled_from(self._outcomes()), max_size=4), label="plan")
+        self._call(self._enqueue, kind, prior_success, self._playable(plan), stored_attempt)
+
+    @rule(kind=st.sampled_from(KINDS), stored_attempt=st.sampled_from((0, 1, 2)),
+          crashes=st.integers(1, 3), prior_success=st.booleans())
+    def enqueue_crash_loop(self, kind: str, stored_attempt: int, crashes: int,
+                           prior_success: bool) -> None:
+        """
+        A job whose executor crashes on each of its next `crashes` runs: the
+        attempt rules at their edges (the retry at once, the last allowed run
+        failing `job panicked during execution`, never a run past the cap).
+        """
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        plan = self._playable((Outcome.RAISE,) * (stored_attempt + crashes))
+        self._call(self._enqueue, kind, prior_success, plan, stored_attempt)
 
     async def _enqueue(self, kind: str, prior_success: bool, plan: tuple[Outcome, ...],
                        stored_attempt: int = 0) -> None:
@@ -528,14 +572,56 @@ class QueueStateMachine(RuleBasedStateMachine):
         """
         for _ in range(self.config.max_attempts + 1):
             self.crash_after_claim()
-            self.age_stuck_jobs()
+            self._age(self.config.stuck_job_mins + 1)
             self.recovery_sweep()
 
-    @rule()
-    def age_stuck_jobs(self) -> None:
-        """An hour passes for every in_progress row (picked_at moved back in SQL)."""
-        self._call(self.env.db.execute, Q.jobs_age_in_progress, self.config.stuck_job_mins + 1)
-        self.model.age()
+    @rule(data=st.data())
+    def age_stuck_jobs(self, data: st.DataObject) -> None:
+        """
+        Time passes for every in_progress row (picked_at moved back in SQL): a
+        little, just under the stuck threshold, just over it, or far over it, so
+        that a sweep with its threshold in the wrong unit or off by some minutes
+        takes (or leaves) the wrong rows.
+        """
+        mins = self.config.stuck_job_mins
+        self._age(data.draw(st.sampled_from((2, mins - 1, mins + 1, 3 * mins)), label="minutes"))
+
+    def _age(self, minutes: int) -> None:
+        self._call(self.env.db.execute, Q.jobs_age_in_progress, minutes)
+        self.model.age(minutes)
+
+    @precondition(lambda self: bool(self.model.claimable()))
+    @rule(write=st.sampled_from(("finish", "fail", "reset")))
+    def stale_writer(self, write: str) -> None:
+        """
+        A worker claims the oldest job and is cut off (a network partition, a
+        pause) for longer than the stuck threshold; the sweep hands the job on and
+        another worker claims it. Then the first worker comes back and writes its
+        outcome: a finish, a failure with terminalization, or a reset. Its claim
+        is no longer current, so none of them may change anything.
+        """
+        stale = self._call(self.store.claim, 1)
+        self.model.crash_claim()
+        self._age(self.config.stuck_job_mins + 1)
+        self.recovery_sweep()
+        self.crash_after_claim()  # the job's new holder (if it went back to pending)
+        for job in stale:
+            build = self._call(self._own_build, job.id) or uuid.uuid4()
+            if write == "finish":
+                statuses = self._call(self.store.finish_many_and_claim, [(job, build)], 0)[0]
+                assert statuses.get(job.id) in (None, "failed"), (
+                    f"a stale finish of {job.id} reported {statuses.get(job.id)}")
+            elif write == "fail":
+                self._call(self._stale_fail, job, build)
+            else:
+                self._call(self.store.reset, job)
+
+    async def _own_build(self, job_id: UUID) -> UUID | None:
+        state = self.model.jobs.get(job_id)
+        return None if state is None else state.build_id
+
+    async def _stale_fail(self, job: Any, build: UUID) -> None:
+        await self.store.fail(job, JOB_PANICKED, own_build_id=build, terminalize=True)
 
     @rule()
     def recovery_sweep(self) -> None:
@@ -596,7 +682,9 @@ class QueueStateMachine(RuleBasedStateMachine):
         live_targets = {self.model.jobs[j].target for j, row in db["jobs"].items()
                         if row[0] in ("pending", "in_progress") and j in self.model.jobs}
         for job_id, row in db["jobs"].items():
-            if row[0] != "failed" or job_id not in self.model.jobs:
+            # Failed for good by the engine; an ordinary failure reported by the
+            # executor (build row not 'success') leaves the target as it was.
+            if row[0] != "failed" or row[2] not in TERMINALIZING or job_id not in self.model.jobs:
                 continue
             target_id = self.model.jobs[job_id].target
             if target_id in live_targets or target_id not in db["targets"]:

@@ -21,13 +21,16 @@ from uuid import UUID
 
 import attrs
 
-from ..jobs import (
-    BUILD_FAILED,
-    INVALID_PAYLOAD,
-    JOB_PANICKED,
-    MAX_ATTEMPTS_EXCEEDED,
-    TARGET_DELETED,
-)
+# The fixed error strings of docs/rules.md §5, spelled out here and not imported
+# from the engine: the model is an independent statement of the rules, so that
+# an engine whose message drifts from the documented one disagrees with it.
+MAX_ATTEMPTS_EXCEEDED = "max attempts exceeded"
+INVALID_PAYLOAD = "invalid job payload"
+TARGET_DELETED = "target deleted"
+JOB_PANICKED = "job panicked during execution"
+BUILD_FAILED = "build or deploy step failed — see the relevant *_builds row for details"
+#: The messages of a job failed for good by the engine, whose target it terminalizes.
+TERMINALIZING = frozenset({MAX_ATTEMPTS_EXCEEDED, INVALID_PAYLOAD, JOB_PANICKED})
 
 
 class Outcome(enum.Enum):
@@ -45,6 +48,16 @@ class Outcome(enum.Enum):
     DELETE_TARGET = "delete_target"
     #: Someone soft-deletes the agent during the build; the build still succeeds.
     SOFT_DELETE = "soft_delete"
+    #: The executor returns without touching its build row (it stays queued).
+    NO_REPORT = "no_report"
+    #: The executor writes 'building' and returns: not a success.
+    REPORT_BUILDING = "report_building"
+
+
+#: The outcomes every executor under the harness has had to play since 0.1.0;
+#: `NO_REPORT` and `REPORT_BUILDING` came later (see `QueueStateMachine.outcomes`).
+CLASSIC_OUTCOMES = (Outcome.SUCCEED, Outcome.FAIL, Outcome.RAISE, Outcome.HANG,
+                    Outcome.DELETE_TARGET, Outcome.SOFT_DELETE)
 
 
 class TargetKind(enum.Enum):
@@ -82,8 +95,8 @@ class JobState:
     error_msg: str | None = None
     picked: bool = False
     completed: bool = False
-    #: picked_at has been moved past the stuck threshold.
-    aged: bool = False
+    #: Minutes since picked_at, as the machine set it in SQL (0: just claimed).
+    age_mins: int = 0
     #: How many times an executor ran this job.
     runs: int = 0
 
@@ -113,11 +126,13 @@ class QueueModel:
         runnable: kinds the worker has executors for; other *known* kinds stay
             pending, unknown kinds are claimed and fail as invalid.
         known: every kind a payload type exists for.
+        stuck_job_mins: the sweep's threshold, STUCK_JOB_MINS.
     """
 
     max_attempts: int
     runnable: frozenset[str]
     known: frozenset[str]
+    stuck_job_mins: int = 60
     jobs: dict[UUID, JobState] = attrs.Factory(dict)
     targets: dict[UUID, TargetState] = attrs.Factory(dict)
     #: Jobs whose row went with their deleted target.
@@ -171,7 +186,7 @@ class QueueModel:
     def claim(self, job: JobState) -> int:
         """in_progress, picked_at now(), attempt + 1; returns old_attempt."""
         old = job.attempt
-        job.status, job.attempt, job.picked, job.aged = "in_progress", old + 1, True, False
+        job.status, job.attempt, job.picked, job.age_mins = "in_progress", old + 1, True, 0
         return old
 
     def crash_claim(self) -> JobState | None:
@@ -237,7 +252,11 @@ class QueueModel:
             return False
         if outcome is Outcome.SOFT_DELETE:
             self.soft_delete(job.target)
-        if outcome is Outcome.FAIL:
+        if outcome is Outcome.NO_REPORT:
+            pass                                              # build row untouched
+        elif outcome is Outcome.REPORT_BUILDING:
+            self._set_build(job, "building")
+        elif outcome is Outcome.FAIL:
             self._set_build(job, "failed")
             target.status = "failed"
         else:  # SUCCEED, or SOFT_DELETE followed by a successful build
@@ -299,16 +318,20 @@ class QueueModel:
 
     # -- recovery (docs/rules.md §7) ----------------------------------------------------
 
-    def age(self) -> None:
-        """Every in_progress row's picked_at moves past the stuck threshold."""
+    def age(self, minutes: int | None = None) -> None:
+        """Every in_progress row's picked_at is set `minutes` back (default: one
+        minute past the stuck threshold)."""
         for job in self.jobs.values():
             if job.status == "in_progress":
-                job.aged = True
+                job.age_mins = self.stuck_job_mins + 1 if minutes is None else minutes
+
+    def stuck(self, job: JobState) -> bool:
+        """In progress, claimed longer ago than the threshold."""
+        return job.status == "in_progress" and job.age_mins > self.stuck_job_mins
 
     def recover(self) -> tuple[int, int]:
         """The two sweep statements: exhausted stuck jobs fail, the others go back."""
-        stuck = sorted((j for j in self.jobs.values() if j.status == "in_progress" and j.aged),
-                       key=lambda j: j.id)
+        stuck = sorted((j for j in self.jobs.values() if self.stuck(j)), key=lambda j: j.id)
         failed = 0
         for job in [j for j in stuck if j.attempt >= self.max_attempts]:
             if job.id in self.jobs:  # an earlier terminalization may have deleted it
@@ -317,7 +340,7 @@ class QueueModel:
         reset = 0
         for job in [j for j in stuck if j.attempt < self.max_attempts]:
             if job.id in self.jobs:
-                job.status, job.picked, job.aged = "pending", False, False
+                job.status, job.picked, job.age_mins = "pending", False, 0
                 reset += 1
         return failed, reset
 
