@@ -67,6 +67,7 @@ class Queries:
     snapshot_agent_builds: str
     snapshot_connector_builds: str
     testing_truncate_all: str
+    job_age_in_progress: str
     jobs_age_in_progress: str
     job_insert_notify: str
     jobs_prune: str

@@ -15,7 +15,7 @@ from .helpers import executors_for_all, job_row, succeed
 
 
 def _buffered(worker: Worker) -> int:
-    return worker._wake_send.statistics().current_buffer_used
+    return worker.wakes_pending
 
 
 async def test_job_commits_with_the_callers_rows_and_wakes_after_commit(queue: Queue) -> None:

@@ -303,6 +303,11 @@ SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
 -- Start a state-machine example from an empty queue.
 TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors;
 
+-- name: job_age_in_progress
+-- Pretend one in_progress job ($1) was claimed $2 minutes ago.
+UPDATE build_jobs SET picked_at = now() - make_interval(mins => $2)
+WHERE id = $1 AND status = 'in_progress';
+
 -- name: jobs_age_in_progress
 -- Pretend every in_progress job was claimed $1 minutes ago (no waiting an hour).
 UPDATE build_jobs SET picked_at = now() - make_interval(mins => $1)

@@ -32,7 +32,7 @@ calls back into the test's trio loop with `trio.from_thread.run`, so the
 database pool, the workers and their nurseries all live in the test's own
 trio run (hypothesis-trio is dead; trio-asyncpg-notes §4).
 
-Settings profiles: ``nasiko-ci`` (the default: 20 examples of up to 25 steps,
+Settings profiles: ``nasiko-ci`` (the default: 50 examples of up to 30 steps,
 derandomized so every run is the same) and ``nasiko-thorough`` (400 examples of
 up to 50 steps, random); choose with NASIKO_QUEUE_HYPOTHESIS_PROFILE.
 
@@ -92,8 +92,8 @@ T = TypeVar("T")
 
 settings.register_profile(
     "nasiko-ci",
-    max_examples=20,
-    stateful_step_count=25,
+    max_examples=50,
+    stateful_step_count=30,
     deadline=None,
     derandomize=True,
     print_blob=True,
@@ -301,10 +301,14 @@ class QueueStateMachine(RuleBasedStateMachine):
 
     def _outcomes(self) -> tuple[Outcome, ...]:
         if self.outcomes is not None:
-            return self.outcomes
-        if type(self).make_executors is QueueStateMachine.make_executors:
-            return tuple(Outcome)
-        return CLASSIC_OUTCOMES
+            chosen = self.outcomes
+        elif type(self).make_executors is QueueStateMachine.make_executors:
+            chosen = tuple(Outcome)
+        else:
+            chosen = CLASSIC_OUTCOMES
+        # Hypothesis favours the first choices of a sampled_from; the empty plan
+        # already means success, so the crash comes first.
+        return tuple(sorted(chosen, key=lambda o: o is not Outcome.RAISE))
 
     def _playable(self, plan: Sequence[Outcome]) -> tuple[Outcome, ...]:
         """The plan as this machine's configuration can check it exactly."""
@@ -346,7 +350,7 @@ class QueueStateMachine(RuleBasedStateMachine):
         kind=st.sampled_from(KINDS),
         prior_success=st.booleans(),
         data=st.data(),
-        stored_attempt=st.sampled_from((0, 0, 0, 1, 2, 3, 4)),
+        stored_attempt=st.sampled_from((0, 0, 0, 1, 2, 3, 3, 4)),
     )
     def enqueue(self, kind: str, prior_success: bool, data: st.DataObject,
                 stored_attempt: int) -> None:
@@ -374,6 +378,22 @@ class QueueStateMachine(RuleBasedStateMachine):
             kind = self.kinds[0]
         plan = self._playable((Outcome.RAISE,) * (stored_attempt + crashes))
         self._call(self._enqueue, kind, prior_success, plan, stored_attempt)
+
+    @rule(kind=st.sampled_from(KINDS), stored_attempt=st.sampled_from((3, 4)),
+          prior_success=st.booleans())
+    def enqueue_exhausted(self, kind: str, stored_attempt: int, prior_success: bool) -> None:
+        """A job another writer left with its attempts used up: the cap fails it unrun."""
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        self._call(self._enqueue, kind, prior_success, (), stored_attempt)
+
+    @rule(kind=st.sampled_from(KINDS), prior_success=st.booleans())
+    def hard_stop_mid_run(self, kind: str, prior_success: bool) -> None:
+        """A job whose run hangs; the worker is stopped hard and puts it back."""
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        self._call(self._enqueue, kind, prior_success, self._playable((Outcome.HANG,)))
+        self.drain(hard=True, stop_during_run=None)
 
     async def _enqueue(self, kind: str, prior_success: bool, plan: tuple[Outcome, ...],
                        stored_attempt: int = 0) -> None:
@@ -537,9 +557,18 @@ class QueueStateMachine(RuleBasedStateMachine):
                         await worker.wait_for(lambda stats: stats.running == 0)
 
                 async def drain_all() -> None:
-                    async with trio.open_nursery() as inner:
-                        for worker in workers:
-                            inner.start_soon(drain_once, worker)
+                    # With two workers, one's NOTIFY (a crash's reset, a give-back)
+                    # can start a drain on the other after its drain_once returned,
+                    # and a stop would then give its claim back unrun: drain again
+                    # until a round after which no worker has work of its own.
+                    while True:
+                        async with trio.open_nursery() as inner:
+                            for worker in workers:
+                                inner.start_soon(drain_once, worker)
+                        if len(workers) == 1 or all(
+                                w.state.idle() and w.stats.drains_started
+                                == w.stats.drains_completed for w in workers):
+                            break
                     waiting.cancel_scope.cancel()
 
                 async def watch_hang() -> None:
@@ -591,6 +620,21 @@ class QueueStateMachine(RuleBasedStateMachine):
         self.model.age(minutes)
 
     @precondition(lambda self: bool(self.model.claimable()))
+    @rule(data=st.data())
+    def stall(self, data: st.DataObject) -> None:
+        """
+        A worker claims the oldest job and stalls (a long build, a pause) for a
+        while, then a sweep runs: a job claimed a little or just under the
+        threshold ago must be left alone, one just over or far over it handed on.
+        """
+        mins = self.config.stuck_job_mins
+        minutes = data.draw(st.sampled_from((2, mins - 1, mins + 1, 3 * mins)), label="minutes")
+        job = self.model.claimable()[0]
+        self.crash_after_claim()
+        self._age_one(job.id, minutes)
+        self.recovery_sweep()
+
+    @precondition(lambda self: bool(self.model.claimable()))
     @rule(write=st.sampled_from(("finish", "fail", "reset")))
     def stale_writer(self, write: str) -> None:
         """
@@ -600,25 +644,32 @@ class QueueStateMachine(RuleBasedStateMachine):
         outcome: a finish, a failure with terminalization, or a reset. Its claim
         is no longer current, so none of them may change anything.
         """
+        job = self.model.claimable()[0]
         stale = self._call(self.store.claim, 1)
         self.model.crash_claim()
-        self._age(self.config.stuck_job_mins + 1)
+        assert [j.id for j in stale] == [job.id], (stale, job.id)
+        self._age_one(job.id, self.config.stuck_job_mins + 1)
         self.recovery_sweep()
-        self.crash_after_claim()  # the job's new holder (if it went back to pending)
-        for job in stale:
-            build = self._call(self._own_build, job.id) or uuid.uuid4()
+        # The job's new holder (it went back to pending if it had attempts left):
+        # other workers claim whatever is older first.
+        while self.model.jobs.get(job.id) is not None and job.status == "pending":
+            self.crash_after_claim()
+        build = job.build_id or uuid.uuid4()
+        for claim in stale:
             if write == "finish":
-                statuses = self._call(self.store.finish_many_and_claim, [(job, build)], 0)[0]
-                assert statuses.get(job.id) in (None, "failed"), (
-                    f"a stale finish of {job.id} reported {statuses.get(job.id)}")
+                statuses = self._call(self.store.finish_many_and_claim, [(claim, build)], 0)[0]
+                assert statuses.get(claim.id) in (None, "failed"), (
+                    f"a stale finish of {claim.id} reported {statuses.get(claim.id)}")
             elif write == "fail":
-                self._call(self._stale_fail, job, build)
+                self._call(self._stale_fail, claim, build)
             else:
-                self._call(self.store.reset, job)
+                self._call(self.store.reset, claim)
 
-    async def _own_build(self, job_id: UUID) -> UUID | None:
-        state = self.model.jobs.get(job_id)
-        return None if state is None else state.build_id
+    def _age_one(self, job_id: UUID, minutes: int) -> None:
+        self._call(self.env.db.execute, Q.job_age_in_progress, job_id, minutes)
+        state = self.model.jobs[job_id]
+        if state.status == "in_progress":
+            state.age_mins = minutes
 
     async def _stale_fail(self, job: Any, build: UUID) -> None:
         await self.store.fail(job, JOB_PANICKED, own_build_id=build, terminalize=True)

@@ -1,0 +1,100 @@
+"""
+The completer: records the outcomes of jobs whose executors returned, in batches.
+
+A slot whose executor returned hands the job over (`add`) and takes its next job
+at once, without waiting for the outcome to be written. The finishes queued at
+the moment the producer sends its next statement all ride on it
+(`jobs_finish_many_and_claim`: the outcome of each is read from its build row,
+done or failed, and the room they free is claimed in the same round trip), so a
+worker spends one round trip per job at most, and fewer when jobs end close
+together. Nothing waits to fill a batch.
+
+A batch that fails is sent again under the retry policy (`RetryPolicy.final`):
+each finish is guarded by its claim, so one that landed on an earlier try is
+not written twice. Only the first try claims: a retry, or the last try of a hard
+stop, would claim jobs that nobody takes if its answer were lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from uuid import UUID
+
+from .errors import OutcomeUnknown
+from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, JobStore
+from .retry import RetryPolicy
+from .state import Finish, WorkerState
+
+log = logging.getLogger("nasiko_queue.worker")
+
+
+class Completer:
+    """
+    Queues finishes and sends them, with the producer's claim, as one statement.
+
+    Args:
+        state: the worker's shared state (`finishes`, the counters).
+        store: the database operations.
+        retry: the retry policy of final updates.
+        on_lost_claim: called with a claim whose answer was lost (the producer
+            gives back what it took).
+    """
+
+    def __init__(self, state: WorkerState, store: JobStore, retry: RetryPolicy,
+                 on_lost_claim: Callable[[ClaimOutcomeUnknown], None]) -> None:
+        self.state = state
+        self.store = store
+        self.retry = retry
+        self.on_lost_claim = on_lost_claim
+
+    def add(self, finish: Finish) -> None:
+        """A slot's executor returned: queue its outcome for the next statement."""
+        self.state.finishes.append(finish)
+        self.state.stats.finishing += 1
+        self.state.kick()
+
+    def take_batch(self) -> list[Finish]:
+        batch, self.state.finishes = self.state.finishes, []
+        return batch
+
+    async def send(self, batch: list[Finish], want: int) -> list[ClaimedJob]:
+        """
+        Record every outcome of `batch` and claim up to `want` jobs (on the first
+        try only); return the claimed jobs. Retried until it lands.
+        """
+        finishing = [(f.job, f.build_id) for f in batch]
+        tries = 0
+
+        async def send_once() -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
+            nonlocal tries
+            tries += 1
+            try:
+                return await self.store.finish_many_and_claim(
+                    finishing, want if tries == 1 else 0)
+            except ClaimOutcomeUnknown as exc:
+                self.on_lost_claim(exc)  # given back; the finishes are sent again
+                raise OutcomeUnknown(str(exc)) from exc
+
+        statuses, claimed = await self.retry.final("finish", send_once)
+        self.record(batch, statuses)
+        return claimed
+
+    def record(self, batch: list[Finish], statuses: dict[UUID, JobStatus | None]) -> None:
+        stats = self.state.stats
+        verbose = log.isEnabledFor(logging.INFO)
+        for finish in batch:
+            status = statuses.get(finish.job.id)
+            if status == "done":
+                stats.done += 1
+            elif status is not None:
+                stats.failed += 1
+            if verbose:
+                log.info("job %s (%s): %s", finish.job.id, finish.label, status or "gone")
+        stats.finishing -= len(batch)
+
+    def dropped(self, batch: list[Finish]) -> None:
+        """A hard stop gave up on `batch` (the database did not answer in time)."""
+        self.state.stats.finishing -= len(batch)
+        log.error("the outcomes of %d finished job(s) may not be recorded (the database did "
+                  "not answer in time); a rescue or the sweep recovers what is left", len(batch))

@@ -1,0 +1,211 @@
+"""
+What the parts of a worker share: its counters, and its one state object.
+
+A worker is a handful of small objects (`producer.Producer`, `completer.Completer`,
+`job_executor.JobExecutor`, the maintenance services, the listener) that run as
+tasks of one nursery and hand work to each other through `WorkerState`: the local
+buffer of claimed jobs, the finishes waiting to be recorded, the statements in
+flight, the drain under way. Keeping it in one object, not in flags spread across
+the parts, is what lets each part be read on its own: every field says who sets
+it and who waits on it.
+"""
+
+from __future__ import annotations
+
+import collections
+from uuid import UUID
+
+import attrs
+import trio
+
+from .config import QueueConfig
+from .jobs import ClaimedJob, LostClaim
+
+#: Statements the producer keeps in flight at once with several slots.
+STATEMENTS_IN_FLIGHT = 2
+
+
+def _stats_changed(stats: WorkerStats, attribute: attrs.Attribute[int], value: int) -> int:
+    """attrs `on_setattr` hook: every change of a counter wakes `Worker.wait_for`."""
+    lot = stats._changed_lot
+    if lot is not None and attribute.name != "_changed_lot":
+        lot.unpark_all()
+    return value
+
+
+@attrs.define(on_setattr=_stats_changed)
+class WorkerStats:
+    """
+    Counters since the worker started; for tests, `status` and benchmarks.
+
+    Every assignment wakes whoever waits in `Worker.wait_for`, whichever counter
+    it is (`running` and `buffered` change without any other signal). They are the
+    worker's test signals: wait on what it did (``lambda s: s.done >= 3``),
+    never sleep and hope.
+    """
+
+    drains_started: int = 0
+    drains_completed: int = 0
+    claimed: int = 0
+    done: int = 0
+    failed: int = 0
+    panicked: int = 0
+    #: Jobs cancelled by a hard stop and put back (their attempt stays counted).
+    released: int = 0
+    #: Claimed jobs given back without having started (prefetched, at a stop or
+    #: past `prefetch_ttl`): their attempts restored.
+    returned: int = 0
+    recoveries: int = 0
+    claim_errors: int = 0
+    #: Statements the producer sent (claims, and finish batches with their claim):
+    #: divided by `done + failed`, the round trips per job.
+    statements: int = 0
+    #: Jobs in a slot now (executor running, or the job being checked or failed).
+    running: int = 0
+    #: Claimed jobs waiting in the local buffer for a slot.
+    buffered: int = 0
+    #: Finished jobs whose outcome the completer has yet to record.
+    finishing: int = 0
+    #: LISTEN connections established (1 after start; each reconnect adds one).
+    listen_connects: int = 0
+    #: Notifications received on the LISTEN connection.
+    notifications: int = 0
+    #: LISTEN connections replaced because they stopped answering the check.
+    listen_hangs: int = 0
+    #: Finished jobs deleted by the retention prune of the recovery tick.
+    pruned: int = 0
+    #: Claims whose answer was lost (no answer in time, or the connection broke):
+    #: the jobs they took were found by the claim's token and given back.
+    lost_claims: int = 0
+    _changed_lot: trio.lowlevel.ParkingLot | None = attrs.field(
+        default=None, repr=False, eq=False, alias="_changed_lot")
+
+
+@attrs.frozen
+class Finish:
+    """A slot's executor returned: the completer records the outcome from the build row."""
+
+    job: ClaimedJob
+    build_id: UUID
+    #: "<kind> <label>", computed by the slot: the completer runs no code of the
+    #: payload type's, so a bug there cannot take it down.
+    label: str
+
+
+@attrs.define(eq=False)
+class WorkerState:
+    """
+    The one mutable state of a worker, shared by its parts.
+
+    Who touches what:
+
+    * the drain loop (`Worker`) starts drains (`begin_drain`) and waits for them
+      to end; `stop()` sets `stopping`;
+    * the producer fills `buffer`, books `in_flight` statements and the room
+      their claims may take (`reserved`), ends a drain when a claim comes back
+      short, and collects `lost_claims` to resolve;
+    * the slots (`JobExecutor`) take from `buffer` and count `running`;
+    * the completer queues `finishes` for the producer's next statement.
+
+    `kick()` wakes the producer to look at its work again; `notify()` wakes
+    `drain_once` and `wait_for` (counters do so by themselves).
+    """
+
+    config: QueueConfig
+    stats: WorkerStats = attrs.field(init=False)
+    changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+    #: Claimed jobs no slot has taken yet, each with the (trio) time it was
+    #: claimed, oldest first; slots park on `job_ready` while it is empty.
+    buffer: collections.deque[tuple[ClaimedJob, float]] = attrs.Factory(collections.deque)
+    job_ready: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+    #: Finishes handed over by the slots, for the producer's next statement.
+    finishes: list[Finish] = attrs.Factory(list)
+    #: Claims whose answer was lost, waiting to be resolved; resolutions under way.
+    lost_claims: list[LostClaim] = attrs.Factory(list)
+    resolving: int = 0
+    #: Statements of the producer in flight, and the jobs their claims may take.
+    in_flight: int = 0
+    reserved: int = 0
+    #: Past `prefetch_ttl`: claim only for idle slots until a slot runs dry.
+    prefetch_paused: bool = False
+    slots_alive: int = 0
+    #: A wake not yet taken by the drain loop (a wake handed straight to the
+    #: waiting loop never shows in the channel's buffer; `drain_once` must see it).
+    woken: bool = False
+    #: `stop()` was called: claim nothing more.
+    stopping: trio.Event = attrs.Factory(trio.Event)
+    #: The worker is winding down (graceful or hard): slots take nothing more.
+    closing: bool = False
+    #: Set while no drain runs; the producer claims to fill the room only while
+    #: it is clear, and ends the drain by setting it.
+    drain_ended: trio.Event = attrs.Factory(trio.Event)
+    kicked: trio.Event = attrs.Factory(trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.stats = WorkerStats(_changed_lot=self.changed)
+        self.drain_ended.set()
+
+    # -- signals ---------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Make the producer look at its work again (a finish, room, a drain)."""
+        self.kicked.set()
+
+    async def wait_kicked(self, deadline: float = float("inf")) -> None:
+        with trio.move_on_at(deadline):
+            await self.kicked.wait()
+        self.kicked = trio.Event()
+
+    def notify(self) -> None:
+        """Wake `drain_once` and `wait_for`."""
+        self.changed.unpark_all()
+
+    # -- drains ----------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return not self.drain_ended.is_set()
+
+    def begin_drain(self) -> None:
+        self.stats.drains_started += 1
+        self.drain_ended = trio.Event()
+        self.kick()
+
+    def end_drain(self) -> None:
+        self.drain_ended.set()
+
+    def close(self) -> None:
+        """Slots take nothing more; the producer gives the buffer back and winds down."""
+        self.closing = True
+        self.end_drain()
+        self.job_ready.unpark_all()
+        self.kick()
+
+    def idle(self) -> bool:
+        """Nothing in hand and nothing about to start: no drain running or asked for."""
+        stats = self.stats
+        return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
+                and not self.draining and not self.woken and not self.in_flight
+                and not self.lost_claims and not self.resolving)
+
+    # -- room ------------------------------------------------------------------
+
+    def room(self) -> int:
+        """How many jobs the next claim may take: free slots plus free buffer places."""
+        if self.closing or self.stopping.is_set():
+            return 0
+        capacity = self.config.concurrency
+        if not self.prefetch_paused:
+            capacity += self.config.prefetch
+        return max(0, capacity - len(self.buffer) - self.stats.running - self.reserved)
+
+    def claim_size(self) -> int:
+        """The next statement's claim: the room left; with several slots, at most
+        half the capacity, so that two statements in flight stagger the slots."""
+        if self.config.concurrency == 1:
+            return self.room()
+        capacity = self.config.concurrency + self.config.prefetch
+        return min(self.room(), -(-capacity // STATEMENTS_IN_FLIGHT))
+
+    def oldest_claim(self) -> float:
+        return min(claimed_at for _job, claimed_at in self.buffer)
