@@ -67,6 +67,9 @@ class Queries:
     snapshot_agent_builds: str
     snapshot_connector_builds: str
     testing_truncate_all: str
+    testing_worker_expire: str
+    testing_leader_expire: str
+    snapshot_holders: str
     job_age_in_progress: str
     jobs_age_in_progress: str
     job_insert_notify: str
@@ -77,6 +80,16 @@ class Queries:
     backend_end: str
     backend_alive: str
     queue_notify: str
+    worker_register: str
+    worker_heartbeat: str
+    worker_deregister: str
+    worker_retire: str
+    workers_expired: str
+    worker_declare_dead: str
+    jobs_held_by_dead_exhausted: str
+    jobs_rescue: str
+    workers_prune_dead: str
+    workers_list: str
 
 
 def parse(text: str) -> dict[str, str]:

@@ -390,6 +390,22 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
               default=QueueConfig().max_attempts, show_default=True,
               help="Runs per job (a crash is retried at once while runs remain) before it "
                    "fails for good. Replicas sharing a table should agree on it.")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
+              default=QueueConfig().heartbeat_interval, show_default=True,
+              help="Seconds between heartbeats of this worker's row.")
+@click.option("--lease", type=click.FloatRange(min=0, min_open=True),
+              default=QueueConfig().lease, show_default=True,
+              help="Seconds without a heartbeat after which a worker counts as dead and the "
+                   "leader gives its jobs back (at least three heartbeat intervals).")
+@click.option("--rescue-interval", type=click.FloatRange(min=0, min_open=True),
+              default=QueueConfig().rescue_interval, show_default=True,
+              help="Seconds between the leader's rescues of dead workers' jobs.")
+@click.option("--maintenance/--no-maintenance", default=True, show_default=True,
+              help="Whether this worker stands for the maintenance leadership (rescue, "
+                   "the stuck sweep, retention).")
+@click.option("--job-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Run-time limit of every job, in seconds; a run past it is cancelled "
+                   "and counts as a crash. Default: none.")
 @_log_level_option("INFO")
 def worker_command(
     dsn: str | None,
@@ -400,6 +416,11 @@ def worker_command(
     stuck_job_mins: int,
     recovery_interval: float,
     max_attempts: int,
+    heartbeat_interval: float,
+    lease: float,
+    rescue_interval: float,
+    maintenance: bool,
+    job_timeout: float | None,
     log_level: str,
 ) -> None:
     """
@@ -424,7 +445,10 @@ def worker_command(
     try:
         config = QueueConfig(concurrency=concurrency, prefetch=prefetch,
                              poll_interval=poll_interval, stuck_job_mins=stuck_job_mins,
-                             recovery_interval=recovery_interval, max_attempts=max_attempts)
+                             recovery_interval=recovery_interval, max_attempts=max_attempts,
+                             heartbeat_interval=heartbeat_interval, lease=lease,
+                             rescue_interval=rescue_interval, maintenance=maintenance,
+                             job_timeout=job_timeout)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(_run(dsn, _work, dsn, executors, config, secrets))
@@ -472,6 +496,16 @@ def _render_status(console: Console, status: QueueStatus) -> None:
                  "-" if status.oldest_pending_age is None
                  else _duration(status.oldest_pending_age))
     console.print(held)
+
+    workers = Table(title="workers")
+    for column in ("id", "host", "pid", "state", "heartbeat", "holding", "roles"):
+        workers.add_column(column)
+    for w in status.workers:
+        state = "alive" if w.alive else ("dead" if w.dead_at else "[yellow]overdue[/]")
+        workers.add_row(w.id[:8], escape(w.host), str(w.pid), state,
+                        f"{w.heartbeat_age:.1f}s ago", str(w.holding),
+                        ", ".join(w.roles) or "-")
+    console.print(workers)
 
     style = "bold yellow" if status.claim_plan.is_warning else "green"
     console.print(f"[{style}]{escape(status.claim_plan.describe())}[/]")

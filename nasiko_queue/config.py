@@ -30,6 +30,14 @@ RECOVERY_INTERVAL = 600.0
 MAX_PAYLOAD_BYTES = 1024 * 1024
 #: The NOTIFY channel enqueue signals and workers LISTEN on.
 NOTIFY_CHANNEL = "nasiko_queue_jobs"
+#: Seconds between a worker's heartbeats. One small UPDATE on a connection of
+#: its own: a third of a statement a second per worker.
+HEARTBEAT_INTERVAL = 3.0
+#: Seconds without a heartbeat after which a worker is presumed dead and its jobs
+#: are rescued: five missed heartbeats, so that a pause of a few seconds (a
+#: garbage collection, a network blip, a fail-over) is not taken for a death,
+#: while a job whose worker died runs again within about 20 s.
+LEASE = 15.0
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -123,6 +131,27 @@ class QueueConfig:
     #: When set, the worker's recovery tick also deletes done/failed jobs whose
     #: `completed_at` is older than this (`nasiko_queue.retention.prune`).
     retention: timedelta | None = attrs.field(default=None, validator=_retention)
+    #: Seconds between heartbeats of the worker's row (on a connection of its
+    #: own, never starved by the work).
+    heartbeat_interval: float = attrs.field(default=HEARTBEAT_INTERVAL, validator=_positive)
+    #: Seconds without a heartbeat after which the worker is presumed dead: the
+    #: leader rescues its jobs (back to pending, or failed when out of
+    #: attempts). A worker that cannot heartbeat for `lease - heartbeat_interval`
+    #: stops its own jobs first. Also how long the maintenance leadership lasts
+    #: unrenewed. At least three heartbeats.
+    lease: float = attrs.field(default=LEASE, validator=_positive)
+    #: Seconds between the leader's rescues of dead workers' jobs.
+    rescue_interval: float = attrs.field(default=HEARTBEAT_INTERVAL, validator=_positive)
+    #: Whether this worker stands for the maintenance leadership (rescue, the
+    #: stuck sweep, retention); exactly one worker at a time holds it.
+    maintenance: bool = True
+    #: Run-time limit of every job, in seconds (None: none); an executor past it
+    #: is cancelled and the run counts as a crash. `Executors.register(...,
+    #: timeout=)` sets one per payload type.
+    job_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(
+        _positive))
+    #: Seconds a dead worker's row is kept (for `status`) once its jobs are rescued.
+    dead_worker_retention: float = attrs.field(default=3600.0, validator=_positive)
     #: Whether `enqueue` seals the `env` values of Upload, Clone and GithubClone (docs/rules.md §2
     #:; McpServerUpload's are always sealed). Turn it off only while replicas
     #: running the original worker's code share the table: they read those values as
@@ -132,6 +161,11 @@ class QueueConfig:
     seal_agent_env: bool = True
 
     def __attrs_post_init__(self) -> None:
+        if self.lease < 3 * self.heartbeat_interval:
+            raise ConfigurationError(
+                f"lease ({self.lease}s) must be at least three heartbeat intervals "
+                f"({self.heartbeat_interval}s): a worker stops its own jobs one interval "
+                "before its lease ends, and one missed heartbeat must not be a death")
         if self.prefetch and self.prefetch_ttl >= self.stuck_job_mins * 60 / 2:
             raise ConfigurationError(
                 f"prefetch_ttl ({self.prefetch_ttl}s) must be under half of stuck_job_mins "

@@ -67,6 +67,10 @@ Operation = Callable[[asyncpg.Connection], Awaitable[T]]
 #: connections keep them.
 ENGINE_SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
 
+#: Connections of the control pool (heartbeats), opened lazily: one per worker
+#: on the database object is plenty for a statement every few seconds.
+CONTROL_CONNECTIONS = 2
+
 
 @attrs.frozen(kw_only=True)
 class DatabaseConfig:
@@ -166,10 +170,11 @@ class Database:
     """
 
     def __init__(self, loop: Any, pool: asyncpg.Pool, engine_pool: asyncpg.Pool,
-                 config: DatabaseConfig) -> None:
+                 control_pool: asyncpg.Pool, config: DatabaseConfig) -> None:
         self._loop = loop
         self._pool = pool
         self._engine_pool = engine_pool
+        self._control_pool = control_pool
         self.config = config
 
     async def _cross(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -205,7 +210,7 @@ class Database:
         return await self._cross(on_asyncio())
 
     async def run_bounded(self, op: Operation[T], *, bound: float,
-                          generic: bool = False) -> T:
+                          generic: bool = False, control: bool = False) -> T:
         """
         Run `op(conn)` with a pooled connection, waiting for it `bound` seconds at most.
 
@@ -221,13 +226,17 @@ class Database:
         Args:
             generic: run on the queue's own pool, where statements keep generic
                 plans (see `fetch_generic`).
+            control: run on the control pool, whose connections serve only the
+                workers' heartbeats: however busy the other pools, a heartbeat
+                never waits for a connection behind the work.
 
         Raises:
             OutcomeUnknown: the operation had sent its statement and no answer
                 came in time, or its connection broke before the answer; what
                 it did is unknown. Carries the server process's pid.
         """
-        pool = self._engine_pool if generic else self._pool
+        pool = (self._control_pool if control else self._engine_pool if generic
+                else self._pool)
         flight = _Flight()
 
         async def on_asyncio() -> T:
@@ -426,7 +435,7 @@ class Database:
     async def aclose(self) -> None:
         """Close the pools; shielded and bounded, then forced."""
         with trio.CancelScope(shield=True):
-            for pool in (self._engine_pool, self._pool):
+            for pool in (self._control_pool, self._engine_pool, self._pool):
                 with trio.move_on_after(self.config.cleanup_timeout):
                     await self._cross(pool.close())
                     continue
@@ -548,7 +557,8 @@ async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
 
     pool = await create(config.max_connections)
     engine_pool = await create(config.engine_connections, server_settings=ENGINE_SERVER_SETTINGS)
-    db = Database(loop, pool, engine_pool, config)
+    control_pool = await create(CONTROL_CONNECTIONS)
+    db = Database(loop, pool, engine_pool, control_pool, config)
     try:
         yield db
     finally:

@@ -59,23 +59,39 @@ class Executors:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[type[Payload], Executor[Payload]]] = {}
+        self._timeouts: dict[str, float] = {}
 
     @overload
-    def register(self, payload_type: type[P]) -> Callable[[Executor[P]], Executor[P]]: ...
+    def register(self, payload_type: type[P], *, timeout: float | None = None
+                 ) -> Callable[[Executor[P]], Executor[P]]: ...
 
     @overload
-    def register(self, payload_type: type[P], executor: Executor[P]) -> Executor[P]: ...
+    def register(self, payload_type: type[P], executor: Executor[P], *,
+                 timeout: float | None = None) -> Executor[P]: ...
 
     def register(
-        self, payload_type: type[P], executor: Executor[P] | None = None
+        self, payload_type: type[P], executor: Executor[P] | None = None, *,
+        timeout: float | None = None,
     ) -> Executor[P] | Callable[[Executor[P]], Executor[P]]:
-        """Register `executor` for `payload_type`; usable as a decorator."""
+        """
+        Register `executor` for `payload_type`; usable as a decorator.
+
+        Args:
+            timeout: run-time limit of one run, in seconds (default:
+                `QueueConfig.job_timeout`, none unless set). A run past it is
+                cancelled and counts as a crash: retried at once while attempts
+                remain, else failed `job panicked during execution`.
+        """
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
 
         def add(fn: Executor[P]) -> Executor[P]:
             kind = payload_type.kind
             if kind in self._entries:
                 raise ValueError(f"an executor for kind {kind!r} is already registered")
             self._entries[kind] = (payload_type, fn)  # type: ignore[assignment]
+            if timeout is not None:
+                self._timeouts[kind] = timeout
             return fn
 
         return add if executor is None else add(executor)
@@ -83,6 +99,10 @@ class Executors:
     def executor_for(self, kind: str) -> Executor[Payload] | None:
         entry = self._entries.get(kind)
         return None if entry is None else entry[1]
+
+    def timeout_for(self, kind: str) -> float | None:
+        """The run-time limit registered for `kind`, if any."""
+        return self._timeouts.get(kind)
 
     @property
     def kinds(self) -> frozenset[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from uuid import UUID
 
@@ -41,7 +42,7 @@ from .jobs import (
 )
 from .payloads import Payload, PayloadCodec, Target
 from .queue import Queue
-from .retry import RetryPolicy
+from .retry import RetryPolicy, one_line
 from .state import Finish, WorkerState
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -166,9 +167,15 @@ class JobExecutor:
         )
         label = f"{payload.kind} {_label(payload)}"
         log.info("job %s (%s): attempt %d starting", job.id, label, job.attempt)
+        limit = self.executors.timeout_for(payload.kind) or self.config.job_timeout
+        # Cancelled by the fence (the worker lost its lease) only; a hard stop
+        # cancels from outside and passes through it.
+        fence = trio.CancelScope()
+        self.state.job_scopes[job.id] = fence
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(executor, ctx)
+            with fence, trio.move_on_after(math.inf if limit is None else limit) as limited:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(executor, ctx)
         except Exception as exc:  # the executor raised: an ExceptionGroup from its nursery
             self.state.stats.panicked += 1
             log.error("job %s (%s) panicked on attempt %d", job.id, label, job.attempt,
@@ -179,7 +186,27 @@ class JobExecutor:
             # Cancelled: a hard stop. The job never finished; hand it back now.
             await self._release(job)
             raise
+        finally:
+            del self.state.job_scopes[job.id]
+        if limited.cancelled_caught:
+            self.state.stats.timed_out += 1
+            log.error("job %s (%s) ran past its limit of %ss on attempt %d; cancelled, counted "
+                      "as a crash", job.id, label, limit, job.attempt)
+            await self.reset_panicked_job(job, payload.build_id)
+            return None
+        if fence.cancelled_caught:
+            # The worker is cut off or was declared dead: the run's outcome is not
+            # written; the job is given back (by us if we can, else by the leader).
+            log.warning("job %s (%s): stopped by the fence on attempt %d", job.id, label,
+                        job.attempt)
+            await self._release(job, why="the fence")
+            return None
         return Finish(job=job, build_id=payload.build_id, label=label)
+
+    def fence(self) -> None:
+        """Stop every running job's executor (the worker lost its lease)."""
+        for scope in self.state.job_scopes.values():
+            scope.cancel()
 
     def _parse(self, job: ClaimedJob) -> Payload | None:
         """
@@ -236,16 +263,16 @@ class JobExecutor:
         if ours:
             self.state.stats.failed += 1
 
-    async def _release(self, job: ClaimedJob) -> None:
+    async def _release(self, job: ClaimedJob, *, why: str = "a hard stop") -> None:
         # Shielded; bounded by the store (cleanup_timeout on both sides of the bridge).
         with trio.CancelScope(shield=True):
             try:
                 if await self.store.reset(job):
                     self.state.stats.released += 1
-                    log.warning("job %s: cancelled by a hard stop; back to pending", job.id)
-            except Exception:
-                log.exception("job %s: could not be put back after a hard stop; "
-                              "a rescue or the sweep will", job.id)
+                    log.warning("job %s: cancelled by %s; back to pending", job.id, why)
+            except Exception as exc:
+                log.warning("job %s: could not be put back after %s (%s); a rescue or the "
+                            "sweep will", job.id, why, one_line(exc))
 
 
 def _label(payload: Payload) -> str:

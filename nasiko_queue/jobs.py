@@ -53,6 +53,8 @@ BUILD_FAILED = "build or deploy step failed — see the relevant *_builds row fo
 
 #: Stuck jobs the sweep chooses per statement; it loops until none is left.
 SWEEP_BATCH = 100
+#: The role the maintenance leader holds (`nasiko_queue_leaders.role`).
+MAINTENANCE_ROLE = "maintenance"
 
 
 class JobStatus(enum.StrEnum):
@@ -116,6 +118,42 @@ class LostClaim:
     backend_pid: int | None
 
 
+@attrs.frozen
+class WorkerIdentity:
+    """Who a worker is, for its row in `nasiko_queue_workers` (and `status`)."""
+
+    id: UUID
+    host: str
+    pid: int
+    #: The payload kinds it claims.
+    kinds: tuple[str, ...]
+
+
+@attrs.frozen
+class Heartbeat:
+    """What one heartbeat learnt."""
+
+    #: The worker's row is there and not declared dead. False: its jobs were (or
+    #: are being) rescued; it must stop them and register anew.
+    alive: bool
+    #: It holds the role it asked for (the maintenance leadership).
+    leader: bool
+
+
+@attrs.frozen
+class RescueResult:
+    """What one rescue round did."""
+
+    #: Workers whose heartbeat had gone stale, now declared dead.
+    declared_dead: int
+    #: Their jobs with no attempts left, now failed (targets terminalized).
+    failed: int
+    #: Their other jobs, back to pending (attempt counted).
+    rescued: int
+    #: Jobs that met a lock or a conflict; tried again at the next round.
+    skipped: int = 0
+
+
 class ClaimOutcomeUnknown(OutcomeUnknown):
     """A claim (or a finish carrying one) got no answer: see `PgJobStore.resolve_lost_claim`."""
 
@@ -150,6 +188,16 @@ class JobStore(Protocol):
 
     async def recover(self) -> RecoveryResult: ...
 
+    async def register_worker(self, identity: WorkerIdentity) -> None: ...
+
+    async def heartbeat(self, role: str | None) -> Heartbeat: ...
+
+    async def retire_worker(self) -> None: ...
+
+    async def deregister_worker(self) -> None: ...
+
+    async def rescue(self) -> RescueResult: ...
+
 
 class PgJobStore:
     """
@@ -179,6 +227,10 @@ class PgJobStore:
         self._runnable = sorted(runnable_kinds)
         self._known = sorted(known_kinds | runnable_kinds)
         self._bound = config.cleanup_timeout
+        #: The worker this store claims for (`build_jobs.claimed_by`), once it
+        #: registered; None: claims name no worker (the 60-minute rule covers
+        #: them, as it does the original's).
+        self.worker_id: UUID | None = None
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         """
@@ -188,7 +240,8 @@ class PgJobStore:
             ClaimOutcomeUnknown: no answer in time; the claim may have taken jobs.
         """
         token = uuid.uuid4()
-        args = (limit, self._runnable, self._known, self._config.max_payload_bytes, token)
+        args = (limit, self._runnable, self._known, self._config.max_payload_bytes, token,
+                self.worker_id)
         try:
             rows = await self._db.run_bounded(
                 lambda conn: conn.fetch(Q.job_claim, *args, timeout=self._bound),
@@ -238,6 +291,7 @@ class PgJobStore:
             self._known,
             self._config.max_payload_bytes,
             token,
+            self.worker_id,
         )
         try:
             rows = await self._db.run_bounded(
@@ -341,16 +395,17 @@ class PgJobStore:
         *,
         terminalize: bool,
         stuck_mins: int | None,
+        held_by: UUID | None = None,
     ) -> bool:
         """Fail one claimed job inside the caller's transaction, target locked first."""
-        bound = self._bound if stuck_mins is None else None
+        bound = self._bound if stuck_mins is None and held_by is None else None
         if agent_id is not None:
             if await conn.fetchval(Q.agent_lock, agent_id, timeout=bound) is None:
                 return False  # the agent is gone, and its jobs with it
         elif connector_id is not None and \
                 await conn.fetchval(Q.connector_lock, connector_id, timeout=bound) is None:
             return False
-        row = await conn.fetchrow(Q.job_fail, job_id, attempt, message, stuck_mins,
+        row = await conn.fetchrow(Q.job_fail, job_id, attempt, message, stuck_mins, held_by,
                                   timeout=bound)
         if row is None:
             return False
@@ -408,16 +463,21 @@ class PgJobStore:
             log.warning("recovery: %d stuck job(s) met a lock or a conflict; next sweep", skipped)
         return RecoveryResult(failed=failed, reset=reset, skipped=skipped)
 
-    async def _fail_stuck(self, row: asyncpg.Record) -> str:
-        """Fail one exhausted stuck job: 'failed', 'gone' (not ours to fail) or 'skipped'."""
-        mins = self._config.stuck_job_mins
+    async def _fail_stuck(self, row: asyncpg.Record, *, held_by: UUID | None = None) -> str:
+        """
+        Fail one exhausted job of the sweep (stuck past the threshold) or of the
+        rescue (held by dead worker `held_by`): 'failed', 'gone' (not ours to
+        fail any more) or 'skipped' (a lock or a conflict: next round).
+        """
+        mins = None if held_by is not None else self._config.stuck_job_mins
 
         def fail(terminalize: bool) -> Callable[[asyncpg.Connection], Awaitable[bool]]:
             async def op(conn: asyncpg.Connection) -> bool:
                 async with conn.transaction():
                     return await self._fail_in(
                         conn, row["id"], row["attempt"], row["agent_id"], row["connector_id"],
-                        MAX_ATTEMPTS_EXCEEDED, None, terminalize=terminalize, stuck_mins=mins)
+                        MAX_ATTEMPTS_EXCEEDED, None, terminalize=terminalize, stuck_mins=mins,
+                        held_by=held_by)
             return op
 
         for terminalize in (True, False):
@@ -440,3 +500,79 @@ class PgJobStore:
                 return "skipped"
             return "failed" if ours else "gone"
         return "skipped"  # not reached: the second pass returns
+
+    # -- workers, heartbeats, leadership, rescue ------------------------------------
+
+    async def register_worker(self, identity: WorkerIdentity) -> None:
+        """Insert the worker's row; from now on this store's claims name it."""
+        await self._db.execute(Q.worker_register, identity.id, identity.host, identity.pid,
+                               list(identity.kinds), self._config.lease)
+        self.worker_id = identity.id
+
+    async def heartbeat(self, role: str | None) -> Heartbeat:
+        """
+        Renew the worker's heartbeat (and hold or take `role`), on the control pool,
+        bounded by `cleanup_timeout`.
+        """
+        if self.worker_id is None:
+            raise RuntimeError("heartbeat before register_worker")
+        args = (self.worker_id, role, self._config.lease)
+        row = await self._db.run_bounded(
+            lambda conn: conn.fetchrow(Q.worker_heartbeat, *args, timeout=self._bound),
+            bound=self._bound, control=True)
+        return Heartbeat(alive=bool(row and row["alive"]), leader=bool(row and row["leader"]))
+
+    async def retire_worker(self) -> None:
+        """Declare this worker dead (it stopped its jobs); the leader rescues them."""
+        if self.worker_id is not None:
+            worker = self.worker_id
+            await self._db.run_bounded(
+                lambda conn: conn.execute(Q.worker_retire, worker, timeout=self._bound),
+                bound=self._bound, control=True)
+
+    async def deregister_worker(self) -> None:
+        """A stop: release any role, and remove the row (or declare it dead if it
+        still holds jobs, for the rescue to give back)."""
+        if self.worker_id is not None:
+            worker = self.worker_id
+            await self._db.run_bounded(
+                lambda conn: conn.execute(Q.worker_deregister, worker, timeout=self._bound),
+                bound=self._bound, control=True)
+
+    async def rescue(self) -> RescueResult:
+        """
+        One round of the leader's rescue.
+
+        Workers whose heartbeat is older than their own lease are declared dead
+        (each only if it has not heartbeated since it was seen). The jobs dead
+        workers hold go back to pending, attempt counted, in one statement, or,
+        out of attempts, fail `max attempts exceeded` and terminalize, each in a
+        transaction of its own (as in the sweep: target locked first; refused:
+        failed alone; locked: next round). Then dead rows past
+        `dead_worker_retention` that hold nothing are forgotten.
+        """
+        declared = 0
+        for row in await self._db.fetch(Q.workers_expired):
+            if await self._db.fetchval(Q.worker_declare_dead, row["id"], row["heartbeat_at"]):
+                declared += 1
+                log.warning("worker %s missed its heartbeats (last %s); declared dead, its "
+                            "jobs are rescued", row["id"], row["heartbeat_at"])
+        failed = skipped = 0
+        while True:
+            rows = await self._db.fetch(Q.jobs_held_by_dead_exhausted,
+                                        self._config.max_attempts, SWEEP_BATCH)
+            for row in rows:
+                outcome = await self._fail_stuck(row, held_by=row["claimed_by"])
+                failed += outcome == "failed"
+                skipped += outcome == "skipped"
+            if len(rows) < SWEEP_BATCH or skipped:
+                break
+        row = await self._db.fetchrow(Q.jobs_rescue, self._config.max_attempts,
+                                      self._config.notify_channel)
+        rescued = int(row["rescued"]) if row is not None else 0
+        await self._db.execute(Q.workers_prune_dead, self._config.dead_worker_retention)
+        if failed or rescued:
+            log.warning("rescue: %d job(s) of dead workers back to pending, %d failed for "
+                        "good", rescued, failed)
+        return RescueResult(declared_dead=declared, failed=failed, rescued=rescued,
+                            skipped=skipped)

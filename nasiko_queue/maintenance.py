@@ -11,6 +11,15 @@ that the worker starts in its nursery:
   start, missed ticks skipped, never replayed.
 * `Pruner` — retention: deletes finished jobs older than `QueueConfig.retention`,
   after each sweep.
+* `JobRescuer` — the rescue of dead workers' jobs: every `rescue_interval`,
+  workers whose heartbeat is older than their lease are declared dead, and their
+  jobs go back to pending (attempt counted) or, out of attempts, fail and
+  terminalize: the stuck sweep's transition, reached in seconds.
+
+All of them run on the maintenance leader only (`WorkerState.is_leader`): one
+replica at a time sweeps, rescues and prunes, whatever the number of replicas.
+The startup sweep is the exception (every worker runs it before it starts, as
+docs/rules.md §5 says; it is safe from many replicas at once).
 """
 
 from __future__ import annotations
@@ -25,10 +34,10 @@ import trio
 
 from .config import QueueConfig
 from .database import Database
-from .jobs import JobStore, RecoveryResult
+from .jobs import JobStore, RecoveryResult, RescueResult
 from .retention import prune
 from .retry import one_line
-from .state import WorkerStats
+from .state import WorkerState, WorkerStats
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -58,11 +67,13 @@ class StuckJobSweeper:
     """
 
     def __init__(self, config: SweeperConfig, store: JobStore, stats: WorkerStats,
-                 on_swept: Callable[[], None]) -> None:
+                 on_swept: Callable[[], None],
+                 leading: Callable[[], bool] = lambda: True) -> None:
         self.config = config
         self.store = store
         self.stats = stats
         self.on_swept = on_swept
+        self.leading = leading
 
     async def run_once(self) -> RecoveryResult:
         result = await self.store.recover()
@@ -71,21 +82,22 @@ class StuckJobSweeper:
 
     async def run(self, *, then: Callable[[], Awaitable[object]] | None = None) -> None:
         """
-        Sweep every period until cancelled; a failed sweep is logged, not fatal.
-        `then` runs after every tick, swept or not (the pruner).
+        Sweep every period until cancelled, while leading; a failed sweep is
+        logged, not fatal. `then` runs after every tick swept or not (the pruner).
         """
         period = self.config.interval
         next_tick = trio.current_time() + period
         while True:
             await trio.sleep_until(next_tick)
-            try:
-                await self.run_once()
-            except Exception:
-                log.exception("recovery sweep failed; next one in %.0fs", period)
-            else:
-                self.on_swept()
-            if then is not None:
-                await then()
+            if self.leading():
+                try:
+                    await self.run_once()
+                except Exception:
+                    log.exception("recovery sweep failed; next one in %.0fs", period)
+                else:
+                    self.on_swept()
+                if then is not None:
+                    await then()
             now = trio.current_time()
             next_tick += period
             if next_tick <= now:  # the sweep overran: skip, never replay, missed ticks
@@ -120,3 +132,67 @@ class Pruner:
             return 0
         self.stats.pruned += pruned
         return pruned
+
+
+@attrs.frozen(kw_only=True)
+class RescuerConfig:
+    """When the rescue runs."""
+
+    #: Seconds between rounds.
+    interval: float
+
+    @classmethod
+    def of(cls, config: QueueConfig) -> RescuerConfig:
+        return cls(interval=config.rescue_interval)
+
+
+class JobRescuer:
+    """
+    Gives back the jobs of workers that stopped heartbeating, on the leader.
+
+    Args:
+        config: its period.
+        store: `JobStore.rescue`.
+        state: whether this worker leads (`is_leader`), and the counters.
+        on_rescued: called when jobs went back to pending (wakes a drain here;
+            the statement NOTIFYs the other replicas).
+    """
+
+    def __init__(self, config: RescuerConfig, store: JobStore, state: WorkerState,
+                 on_rescued: Callable[[], None]) -> None:
+        self.config = config
+        self.store = store
+        self.state = state
+        self.on_rescued = on_rescued
+        self._kicked = trio.Event()
+
+    def kick(self) -> None:
+        """Run a round now (this worker was just elected: a dead leader's jobs wait)."""
+        self._kicked.set()
+
+    async def run_once(self) -> RescueResult:
+        result = await self.store.rescue()
+        stats = self.state.stats
+        stats.rescues += 1
+        stats.rescued += result.rescued + result.failed
+        if result.rescued:
+            self.on_rescued()
+        return result
+
+    async def run(self) -> None:
+        """
+        A round every period while leading, and one as soon as this worker is
+        elected (else the first round after a fail-over would come up to a
+        period late), until cancelled; failures are logged.
+        """
+        period = self.config.interval
+        while True:
+            with trio.move_on_after(period):
+                await self._kicked.wait()
+            self._kicked = trio.Event()
+            if not self.state.is_leader():
+                continue
+            try:
+                await self.run_once()
+            except Exception as exc:
+                log.warning("rescue failed (%s); next round in %.0fs", one_line(exc), period)

@@ -86,6 +86,8 @@ class Producer:
             elif state.draining and free and state.claim_size():
                 want = state.claim_size()
                 statements.start_soon(self._send_claim, want, self._begin(want))
+            elif state.draining and state.fenced:
+                state.end_drain()  # cut off: nothing can be claimed until registered anew
             elif state.closing and not state.slots_alive and not state.in_flight \
                     and not state.resolving:
                 return

@@ -77,6 +77,23 @@ class WorkerStats:
     #: Claims whose answer was lost (no answer in time, or the connection broke):
     #: the jobs they took were found by the claim's token and given back.
     lost_claims: int = 0
+    #: Heartbeats that landed, and that failed (an outage, a late answer).
+    heartbeats: int = 0
+    heartbeat_failures: int = 0
+    #: Times this worker registered a row (1, plus one per new identity after
+    #: it was cut off or declared dead).
+    registrations: int = 0
+    #: Times it took the maintenance leadership.
+    elected: int = 0
+    #: Times it stopped its own jobs: cut off from the database for longer than
+    #: `lease - heartbeat_interval`, or told by a heartbeat it was declared dead.
+    fenced: int = 0
+    #: Rescue rounds it ran as leader, and the dead workers' jobs it gave back or
+    #: failed.
+    rescues: int = 0
+    rescued: int = 0
+    #: Runs cancelled at their run-time limit (each counts as a crash).
+    timed_out: int = 0
     _changed_lot: trio.lowlevel.ParkingLot | None = attrs.field(
         default=None, repr=False, eq=False, alias="_changed_lot")
 
@@ -140,6 +157,14 @@ class WorkerState:
     #: it is clear, and ends the drain by setting it.
     drain_ended: trio.Event = attrs.Factory(trio.Event)
     kicked: trio.Event = attrs.Factory(trio.Event)
+    #: Until when (trio time) this worker surely holds the maintenance
+    #: leadership: the last renewal's send time plus the lease, less one
+    #: heartbeat interval of margin. Maintenance runs only before it.
+    leader_until: float = float("-inf")
+    #: Cut off (or declared dead): claim nothing until registered anew.
+    fenced: bool = False
+    #: The cancel scope of each running job's executor, for the fence.
+    job_scopes: dict[UUID, trio.CancelScope] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self.stats = WorkerStats(_changed_lot=self.changed)
@@ -190,9 +215,12 @@ class WorkerState:
 
     # -- room ------------------------------------------------------------------
 
+    def is_leader(self) -> bool:
+        return trio.current_time() < self.leader_until
+
     def room(self) -> int:
         """How many jobs the next claim may take: free slots plus free buffer places."""
-        if self.closing or self.stopping.is_set():
+        if self.closing or self.stopping.is_set() or self.fenced:
             return 0
         capacity = self.config.concurrency
         if not self.prefetch_paused:

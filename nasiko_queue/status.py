@@ -72,6 +72,40 @@ class ClaimPlan:
 
 
 @attrs.frozen(kw_only=True)
+class WorkerRow:
+    """One registered worker, live or dead."""
+
+    id: str
+    host: str
+    pid: int
+    kinds: tuple[str, ...]
+    started_at: datetime
+    heartbeat_at: datetime
+    #: Seconds since its last heartbeat.
+    heartbeat_age: float
+    lease_secs: float
+    #: Its heartbeat is within its lease and nobody declared it dead.
+    alive: bool
+    #: When a rescuer (or the worker itself, on a stop) declared it dead.
+    dead_at: datetime | None
+    #: Roles it holds now ("maintenance": it leads rescue, sweeps and retention).
+    roles: tuple[str, ...]
+    #: Jobs it holds (in progress, claimed by it).
+    holding: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "host": self.host, "pid": self.pid, "kinds": list(self.kinds),
+            "started_at": self.started_at.isoformat(),
+            "heartbeat_at": self.heartbeat_at.isoformat(),
+            "heartbeat_age_seconds": self.heartbeat_age, "lease_seconds": self.lease_secs,
+            "alive": self.alive,
+            "dead_at": self.dead_at.isoformat() if self.dead_at else None,
+            "roles": list(self.roles), "holding": self.holding,
+        }
+
+
+@attrs.frozen(kw_only=True)
 class QueueStatus:
     """The queue at one moment; every count covers the whole `build_jobs` table."""
 
@@ -90,6 +124,8 @@ class QueueStatus:
     oldest_pending_age: float | None
     #: What the claim statement's plan reads.
     claim_plan: ClaimPlan
+    #: Every registered worker (live, then dead ones not yet forgotten).
+    workers: tuple[WorkerRow, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (timestamps in ISO 8601) for `status --json`."""
@@ -110,12 +146,13 @@ class QueueStatus:
                 "warning": self.claim_plan.is_warning,
                 "description": self.claim_plan.describe(),
             },
+            "workers": [w.to_json() for w in self.workers],
         }
 
 
 async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) -> QueueStatus:
     """
-    Gather a `QueueStatus` (four reads and one ``EXPLAIN``; nothing is written).
+    Gather a `QueueStatus` (five reads and one ``EXPLAIN``; nothing is written).
 
     Raises whatever the database raises, e.g. `asyncpg.UndefinedTableError`
     when the schema is not migrated.
@@ -134,6 +171,12 @@ async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) ->
         stuck_job_mins=stuck_job_mins,
         oldest_pending_age=age,
         claim_plan=attrs.evolve(await explain_claim(db), table_rows=sum(counts.values())),
+        workers=tuple(WorkerRow(
+            id=str(r["id"]), host=r["host"], pid=r["pid"], kinds=tuple(r["kinds"]),
+            started_at=r["started_at"], heartbeat_at=r["heartbeat_at"],
+            heartbeat_age=r["heartbeat_age"], lease_secs=r["lease_secs"], alive=r["alive"],
+            dead_at=r["dead_at"], roles=tuple(r["roles"]), holding=r["holding"],
+        ) for r in await db.fetch(Q.workers_list)),
     )
 
 
@@ -148,7 +191,7 @@ async def explain_claim(db: Database) -> ClaimPlan:
     kinds = [t.kind for t in BUILTIN_PAYLOAD_TYPES]
     # A newline, not a space: the named statement starts with a comment line.
     text = await db.fetchval("EXPLAIN (FORMAT JSON)\n" + Q.job_claim, 1, kinds, kinds,
-                             MAX_PAYLOAD_BYTES, None)
+                             MAX_PAYLOAD_BYTES, None, None)
     return plan_claim(json.loads(text) if isinstance(text, str) else text)
 
 

@@ -4,11 +4,16 @@ The worker: a supervisor whose nursery turns wake-ups into drains.
 Shape (docs/rules.md §5, §8)::
 
     run()
-      the startup sweep (retried while the database is away), then started()
-      nursery "timers": the recovery timer (`StuckJobSweeper`: first tick one
-                        period after start, missed ticks skipped; each tick also
-                        prunes, `Pruner`) and the `Listener` (LISTEN on a
-                        dedicated connection; every notification is a wake)
+      register the worker's row, the startup sweep (both retried while the
+      database is away), then started()
+      nursery "timers": the `HeartbeatService` (renews the row every 3 s, holds
+                        the maintenance leadership, fences the worker when cut
+                        off), the recovery timer (`StuckJobSweeper`: first tick
+                        one period after start, missed ticks skipped; each tick
+                        also prunes, `Pruner`), the `JobRescuer` (dead workers'
+                        jobs back to pending), all three on the leader only, and
+                        the `Listener` (LISTEN on a dedicated connection; every
+                        notification is a wake)
       nursery "work":   the `Producer` (claims into the local buffer, carrying the
                         `Completer`'s queued finishes on each statement; gives
                         back what never started; resolves lost claims) and
@@ -28,7 +33,9 @@ Stopping: `stop()` (or closing every send side of the wake channel) lets the
 running executors finish, records their outcomes, gives back what the buffer
 holds (attempts restored: those jobs never ran) and claims nothing more.
 Cancelling `run()` cancels the executors, and their jobs go back to pending at
-once, shielded and bounded, so no replica waits for the sweep.
+once, shielded and bounded, so no replica waits for the sweep. Either way the
+worker's row goes (or, if it still holds jobs, is declared dead, so that the
+leader gives them back) and its leadership is released.
 """
 
 from __future__ import annotations
@@ -44,10 +51,17 @@ from .completer import Completer
 from .config import QueueConfig
 from .errors import is_transient
 from .executors import Executors
+from .heartbeat import HeartbeatService
 from .job_executor import JobExecutor
 from .jobs import ClaimOutcomeUnknown, JobStore, PgJobStore
 from .listener import Listener
-from .maintenance import Pruner, StuckJobSweeper, SweeperConfig
+from .maintenance import (
+    JobRescuer,
+    Pruner,
+    RescuerConfig,
+    StuckJobSweeper,
+    SweeperConfig,
+)
 from .payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
 from .producer import Producer
 from .queue import Queue
@@ -109,10 +123,39 @@ class Worker:
             self.state, self._store, queue, executors,
             PayloadCodec(types=types.values(), secrets=queue.secrets),
             self.completer, retry, self.wake)
+        self.rescuer = JobRescuer(RescuerConfig.of(self.config), self._store, self.state,
+                                  on_rescued=self.wake)
+        self.heartbeat = HeartbeatService(self.state, self._store,
+                                          tuple(sorted(executors.kinds)),
+                                          on_fence=self._fence, on_resume=self._resume,
+                                          on_elected=self.rescuer.kick)
         self.sweeper = StuckJobSweeper(SweeperConfig.of(self.config), self._store,
-                                       self.stats, on_swept=self.wake)
+                                       self.stats, on_swept=self.wake,
+                                       leading=self.state.is_leader)
         self.pruner = Pruner(queue.db, self.config.retention, self.stats)
         self._started = False
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this worker runs maintenance now (rescue, the stuck sweep, retention)."""
+        return self.state.is_leader()
+
+    def _resume(self) -> None:
+        """Registered anew after a fence: claim again, at once."""
+        self.state.kick()
+        self.wake()
+
+    def _fence(self, _why: str) -> None:
+        """The worker lost its lease: stop every running job, drop what is buffered
+        (the leader gives it back with the rest), claim nothing until registered anew."""
+        state = self.state
+        self.executor.fence()
+        dropped = len(state.buffer)
+        state.buffer.clear()
+        state.stats.buffered -= dropped
+        state.end_drain()
+        state.kick()
+        state.notify()
 
     def _lost_claim(self, exc: ClaimOutcomeUnknown) -> None:
         self.producer.lost(exc)
@@ -178,14 +221,16 @@ class Worker:
             raise RuntimeError("a Worker runs once; create a new one")
         self._started = True
         state = self.state
-        if not await self._startup_recovery():
+        if not (await self.heartbeat.register() and await self._startup_recovery()):
             task_status.started()  # stopped before the database ever answered
             log.info("worker stopped before it started")
             return
         self.queue._add_waker(self.wake)
         try:
             async with trio.open_nursery() as timers:
+                await timers.start(self.heartbeat.run)
                 timers.start_soon(partial(self.sweeper.run, then=self.pruner.run_once))
+                timers.start_soon(self.rescuer.run)
                 channel = self.config.notify_channel
                 if self.config.listen and channel is not None:
                     listener = Listener(self.queue.db, channel, state, self.wake)
@@ -206,8 +251,18 @@ class Worker:
         finally:
             self.queue._remove_waker(self.wake)
             state.stopping.set()
+            await self._deregister()
             state.notify()
         log.info("worker stopped")
+
+    async def _deregister(self) -> None:
+        """Remove the worker's row and release its leadership (shielded, bounded)."""
+        with trio.CancelScope(shield=True):
+            try:
+                await self._store.deregister_worker()
+            except Exception as exc:
+                log.warning("could not deregister the worker (%s); its row expires and "
+                            "the leader gives back anything it held", one_line(exc))
 
     async def _drain_loop(self) -> None:
         stopping = self.state.stopping

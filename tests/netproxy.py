@@ -7,7 +7,8 @@ slow network, a loaded server or a connection that hangs without a reset would.
 
 * `freeze()` stops forwarding on every connection open at that moment, in both
   directions, without closing anything (a hung connection: no RST, no FIN);
-  connections opened afterwards flow normally.
+  connections opened afterwards flow normally. `partition()` freezes the new
+  ones too (a network cut: nothing gets through, nothing is refused).
 * `delay_replies(seconds)` holds every chunk the server sends, on every
   connection, for that long before passing it on (a late answer). The client's
   own bytes still go straight through, so the server does the work and commits.
@@ -37,6 +38,7 @@ class Proxy:
         self._dsn = dsn
         self._links: set[_Link] = set()
         self._reply_delay = 0.0
+        self._partitioned = False
         self.port = 0
         #: Connections accepted so far.
         self.accepted = 0
@@ -52,11 +54,16 @@ class Proxy:
         for link in self._links:
             link.frozen = True
 
+    def partition(self) -> None:
+        self._partitioned = True
+        self.freeze()
+
     def delay_replies(self, seconds: float) -> None:
         self._reply_delay = seconds
 
     def restore(self) -> None:
         self._reply_delay = 0.0
+        self._partitioned = False
         for link in self._links:
             link.frozen = False
             link.thawed.set()
@@ -71,7 +78,7 @@ class Proxy:
 
     async def _serve(self, client: trio.SocketStream) -> None:
         self.accepted += 1
-        link = _Link()
+        link = _Link(frozen=self._partitioned)
         self._links.add(link)
         try:
             server = await trio.open_tcp_stream(*self._target)

@@ -30,7 +30,7 @@ import trio
 from nasiko_queue import Database, Queue
 from nasiko_queue.testing import Sql, make_payload
 
-from .proc_executors import EXECUTIONS_DDL
+from .proc_executors import EXECUTIONS_DDL, GATE
 
 REPO = Path(__file__).resolve().parent.parent
 #: The longest a test waits for another process to do something. Generous: a test
@@ -395,3 +395,40 @@ async def unfinished_jobs(db: Database, job_ids: Sequence[UUID]) -> str:
     return "not done: " + "; ".join(
         f"{r['id']} {r['status']} attempt={r['attempt']} picked_at={r['picked_at']} "
         f"error={r['error_msg']}" for r in rows)
+
+
+# -- what the tests record and hold --------------------------------------------------------
+
+#: The sweep's threshold is 60 minutes; a row claimed this long ago is stuck.
+AGE_PAST_THRESHOLD = "2 hours"
+
+#: Every status change of a job, logged by a trigger.
+TRANSITIONS_DDL = """
+CREATE TABLE transitions (
+    seq     bigserial PRIMARY KEY,
+    job_id  uuid NOT NULL,
+    old     text NOT NULL,
+    new     text NOT NULL,
+    attempt integer NOT NULL,
+    error   text
+);
+CREATE FUNCTION log_transition() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO transitions (job_id, old, new, attempt, error)
+    VALUES (NEW.id, OLD.status, NEW.status, NEW.attempt, NEW.error_msg);
+    RETURN NULL;
+END;
+$$;
+CREATE TRIGGER log_transition AFTER UPDATE OF status ON build_jobs
+    FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status)
+    EXECUTE FUNCTION log_transition();
+
+"""
+
+
+@asynccontextmanager
+async def gate_closed(db: Database) -> AsyncIterator[None]:
+    """Hold the advisory lock `GATE`: every ``gate`` run waits inside PostgreSQL until exit."""
+    async with db.transaction() as tx:
+        await tx.execute("SELECT pg_advisory_xact_lock($1)", GATE)
+        yield

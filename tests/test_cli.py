@@ -299,13 +299,18 @@ def test_worker_flags_reach_the_queue_config(
     assert invoke(runner, *spec).exit_code == 0
     result = invoke(runner, *spec, "--max-attempts", "5", "--concurrency", "4",
                     "--prefetch", "8", "--poll-interval", "0.5", "--stuck-job-mins", "90",
-                    "--recovery-interval", "30")
+                    "--recovery-interval", "30", "--heartbeat-interval", "1", "--lease", "4",
+                    "--rescue-interval", "2", "--no-maintenance", "--job-timeout", "600")
     assert result.exit_code == 0, result.output
     assert configs == [
         QueueConfig(),
         QueueConfig(max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
-                    stuck_job_mins=90, recovery_interval=30.0),
+                    stuck_job_mins=90, recovery_interval=30.0, heartbeat_interval=1.0,
+                    lease=4.0, rescue_interval=2.0, maintenance=False, job_timeout=600.0),
     ]
+    short = invoke(runner, *spec, "--lease", "2")  # under three heartbeats of 3 s
+    assert short.exit_code == 2
+    assert "lease" in short.stderr
     refused = invoke(runner, *spec, "--max-attempts", "0")
     assert refused.exit_code == 2
     assert "--max-attempts" in refused.stderr

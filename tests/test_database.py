@@ -87,8 +87,9 @@ async def test_worker_survives_a_server_restart(private_server: EmbeddedPostgres
 
 
 async def test_worker_waits_for_an_unreachable_server(private_server: EmbeddedPostgres) -> None:
-    """Started while the server is down, the worker retries its startup sweep and
-    reports itself started only once the database answers; then it works."""
+    """Started while the server is down, the worker retries its registration (then
+    its startup sweep) and reports itself started only once the database answers;
+    then it works."""
     async with open_database(DatabaseConfig(dsn=private_server.dsn, connect_timeout=2)) as db:
         await migrate(db)
         queue = Queue(db, config=FAST)
@@ -102,7 +103,7 @@ async def test_worker_waits_for_an_unreachable_server(private_server: EmbeddedPo
                 await nursery.start(worker.run)
                 started.set()
 
-            with LogEvent("startup recovery failed") as failing:
+            with LogEvent("could not register the worker") as failing:
                 nursery.start_soon(start)
                 await failing.event.wait()
                 assert not started.is_set()
@@ -158,12 +159,12 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     kinds = "'{Upload}'::text[]"
     ids = "ARRAY[gen_random_uuid()]"
     calls = {
-        "job_claim": ("int, text[], text[], int, uuid",
-                      f"10, {kinds}, {kinds}, 1000, gen_random_uuid()"),
+        "job_claim": ("int, text[], text[], int, uuid, uuid",
+                      f"10, {kinds}, {kinds}, 1000, gen_random_uuid(), gen_random_uuid()"),
         "jobs_finish_many_and_claim": (
-            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid",
+            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid",
             f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
-            "gen_random_uuid()"),
+            "gen_random_uuid(), gen_random_uuid()"),
         "jobs_unclaim": ("uuid[], int[], text", f"{ids}, ARRAY[1], 'ch'"),
         "jobs_unclaim_lost": ("uuid, int, text", "gen_random_uuid(), 60, 'ch'"),
     }
@@ -181,3 +182,23 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     plan = "\n".join(await queue.db.run(explain))
     assert "build_jobs" in plan
     assert "Seq Scan on build_jobs" not in plan, plan
+
+
+async def test_every_named_statement_is_valid_sql_for_the_schema(db: Database) -> None:
+    """Each statement of queries.sql is parsed and planned by the server (prepared,
+    not run), so that one the tests reach only rarely cannot hide a syntax error or
+    a wrong column (a reserved word as an alias once did, in worker_deregister)."""
+    import attrs as _attrs
+
+    from nasiko_queue._sql import Q
+
+    async def prepare_all(conn: Any) -> list[str]:
+        bad = []
+        for field in _attrs.fields(type(Q)):
+            try:
+                await conn.prepare(getattr(Q, field.name))
+            except Exception as exc:
+                bad.append(f"{field.name}: {type(exc).__name__}: {exc}")
+        return bad
+
+    assert await db.run(prepare_all) == []

@@ -251,6 +251,42 @@ async def test_finds_a_changed_error_message(
     await _expect_failure(dsn, QueueStateMachine, shrink=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["takes_live_workers_jobs", "ignores_attempts"])
+async def test_finds_a_rescue_that_takes_the_wrong_jobs(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, bug: str
+) -> None:
+    """The rescue gives back jobs of workers that still heartbeat, or resets jobs
+    with no attempts left instead of failing them."""
+    if bug == "takes_live_workers_jobs":
+        mutated = _mutated(jobs_rescue=(
+            "WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL",
+            "WHERE w.id = j.claimed_by"))
+    else:
+        mutated = _mutated(
+            jobs_rescue=("AND j.status = 'in_progress' AND j.attempt < $1",
+                         "AND j.status = 'in_progress' AND $1::int IS NOT NULL"),
+            jobs_held_by_dead_exhausted=("AND j.attempt >= $1", "AND j.attempt >= $1 + 100"))
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", mutated)
+    notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
+    assert re.search(r"state\.(rescue|stale_writer)\(", notes), notes
+
+
+@pytest.mark.slow
+async def test_finds_a_sweep_that_takes_a_live_workers_job(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 60-minute rule applied to a job a heartbeating worker still holds."""
+    live = ("  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w\n"
+            "                  WHERE w.id = j.claimed_by AND w.dead_at IS NULL)", "")
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(
+        jobs_stuck_exhausted=live,
+        jobs_reset_stuck=("AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w  "
+                          "-- as in jobs_stuck_exhausted\n" + " " * 22 +
+                          "WHERE w.id = b.claimed_by AND w.dead_at IS NULL)", "")))
+    await _expect_failure(dsn, QueueStateMachine, shrink=False)
+
+
 class BlockingWakeQueue(Queue):
     """The original's bug: enqueue waits for room in the wake channel."""
 

@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from nasiko_queue import Database, Executors, JobContext, Queue, QueueConfig, Upload, Worker
-from nasiko_queue.jobs import ClaimedJob, JobStatus, RecoveryResult
+from nasiko_queue.jobs import ClaimedJob, Heartbeat, JobStatus, RecoveryResult, RescueResult
 from nasiko_queue.payloads import PayloadCodec
 from nasiko_queue.testing import make_payload
 
@@ -96,6 +96,21 @@ class FakeStore:
 
     async def resolve_lost_claim(self, claim: Any) -> int:
         return 0
+
+    async def register_worker(self, identity: Any) -> None:
+        self.worker_id = identity.id
+
+    async def heartbeat(self, role: str | None) -> Heartbeat:
+        return Heartbeat(alive=True, leader=role is not None)
+
+    async def retire_worker(self) -> None:
+        pass
+
+    async def deregister_worker(self) -> None:
+        pass
+
+    async def rescue(self) -> RescueResult:
+        return RescueResult(0, 0, 0)
 
     async def recover(self) -> RecoveryResult:
         self.recoveries.append(trio.current_time())

@@ -15,13 +15,16 @@ RETURNING id;
 -- Take up to $1 of the oldest pending jobs whose kind this worker runs ($2), or
 -- whose kind no payload type knows ($3 = every known kind; those fail as
 -- invalid), and mark them with this claim's token ($5), so that a claim whose
--- answer is lost can be found and undone (`jobs_unclaim_lost`). Returns the
+-- answer is lost can be found and undone (`jobs_unclaim_lost`), and with the
+-- worker that holds them ($6; NULL for a tool that heartbeats no worker row), so
+-- that a dead worker's jobs are rescued in seconds (`jobs_rescue`). Returns the
 -- attempt from before the increment, and whether the target agent is
 -- soft-deleted, so that no second round trip is needed. A payload larger than
 -- $4 bytes (written by another writer: enqueue refuses them) comes back NULL,
 -- to fail as invalid without being sent or parsed.
 UPDATE build_jobs AS j
-SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $5
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $5,
+    claimed_by = $6
 -- The ids as an array, not a join: every plan of this statement, generic ones
 -- included (where the planner guesses LIMIT $1 at a tenth of the table), then
 -- fetches the claimed rows by primary key instead of hashing a scan of the table.
@@ -45,14 +48,16 @@ RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
 -- name: job_fail
 -- Fail a claimed job with a fixed message (completed_at = now(), picked_at keeps
 -- the claim time). Only the claim that is still current is touched ($1 id, $2
--- attempt); the sweep passes $4, the stuck threshold in minutes, so that a job
--- finished or handed on since it was chosen is left alone. Returns the target
+-- attempt); the sweep passes $4, the stuck threshold in minutes, and the rescue
+-- $5, the dead worker, so that a job finished or handed on since it was chosen
+-- is left alone. Returns the target
 -- and, for the job's own build row, the payload's build ids as text: read by
 -- PostgreSQL, so a payload Python cannot parse still names its build.
 UPDATE build_jobs
 SET status = 'failed', error_msg = $3, completed_at = now()
 WHERE id = $1 AND status = 'in_progress' AND attempt = $2
   AND ($4::int IS NULL OR picked_at < now() - make_interval(mins => $4))
+  AND ($5::uuid IS NULL OR claimed_by = $5)
 RETURNING agent_id, connector_id, payload ->> 'kind' AS kind,
           payload ->> 'build_id' AS build_id, payload ->> 'rollback_build_id' AS rollback_build_id;
 
@@ -74,7 +79,7 @@ SELECT id FROM mcp_connectors WHERE id = $1 FOR UPDATE;
 -- replica takes it at once instead of at its next poll.
 WITH reset AS (
     UPDATE build_jobs
-    SET status = 'pending', picked_at = NULL, claim_token = NULL
+    SET status = 'pending', picked_at = NULL, claim_token = NULL, claimed_by = NULL
     WHERE id = $1 AND status = 'in_progress' AND attempt = $2
     RETURNING id
 )
@@ -85,12 +90,17 @@ SELECT id, CASE WHEN $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
 -- with no attempts left ($2 = MAX_ATTEMPTS), leaving out $3 (jobs this sweep
 -- already tried). Each is then failed in a transaction of its own (`job_fail`
 -- with the threshold), so one job's target can never hold back the others'.
+-- The 60-minute rule is for rows no live worker holds: those of replicas that
+-- do not heartbeat (the original's SQL sets no `claimed_by`); a heartbeating
+-- worker's jobs run as long as it lives, and are rescued when it dies.
 SELECT id, attempt, agent_id, connector_id
-FROM build_jobs
+FROM build_jobs AS j
 WHERE status = 'in_progress'
   AND picked_at < now() - make_interval(mins => $1)
   AND attempt >= $2
   AND NOT (id = ANY ($3::uuid[]))
+  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w
+                  WHERE w.id = j.claimed_by AND w.dead_at IS NULL)
 ORDER BY picked_at, id
 LIMIT $4;
 
@@ -100,15 +110,17 @@ LIMIT $4;
 -- (a worker finishing the job) are skipped.
 WITH stuck AS (
     SELECT id
-    FROM build_jobs
+    FROM build_jobs AS b
     WHERE status = 'in_progress'
       AND picked_at < now() - make_interval(mins => $1)
       AND attempt < $2
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w  -- as in jobs_stuck_exhausted
+                      WHERE w.id = b.claimed_by AND w.dead_at IS NULL)
     ORDER BY id
     FOR UPDATE SKIP LOCKED
 ), reset AS (
     UPDATE build_jobs AS j
-    SET status = 'pending', picked_at = NULL, claim_token = NULL
+    SET status = 'pending', picked_at = NULL, claim_token = NULL, claimed_by = NULL
     FROM stuck
     WHERE j.id = stuck.id
     RETURNING j.id
@@ -301,7 +313,26 @@ SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
 
 -- name: testing_truncate_all
 -- Start a state-machine example from an empty queue.
-TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors;
+TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors,
+         nasiko_queue_workers, nasiko_queue_leaders;
+
+-- name: testing_worker_expire
+-- A worker ($1) stops heartbeating for a minute (longer than any test lease): its
+-- heartbeat and the claims it holds move a minute back, as if a minute passed.
+WITH claims AS (
+    UPDATE build_jobs SET picked_at = picked_at - interval '1 minute'
+    WHERE claimed_by = $1 AND status = 'in_progress'
+)
+UPDATE nasiko_queue_workers SET heartbeat_at = heartbeat_at - interval '1 minute'
+WHERE id = $1;
+
+-- name: testing_leader_expire
+-- The leader ($1) died: its hold on the role has run out.
+UPDATE nasiko_queue_leaders SET expires_at = now() - interval '1 second' WHERE worker_id = $1;
+
+-- name: snapshot_holders
+-- Which worker holds each in-progress job.
+SELECT id, claimed_by FROM build_jobs WHERE status = 'in_progress';
 
 -- name: job_age_in_progress
 -- Pretend one in_progress job ($1) was claimed $2 minutes ago.
@@ -346,7 +377,7 @@ WHERE id = ANY (ARRAY(
 -- for, in one round trip: the worker's fetcher sends it with every finish queued
 -- since its previous statement. Finish every job of the batch
 -- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
--- claim up to $6 next jobs ($7, $8, $9, $10 as $2-$5 of job_claim). Rows with
+-- claim up to $6 next jobs ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with
 -- finished_id set report a finish (finished_status: what the row holds for
 -- that attempt now, NULL when gone or no longer ours; a retried batch thus
 -- reports what its first try wrote); rows with id set are claimed jobs.
@@ -370,7 +401,8 @@ WITH input AS (
     RETURNING j.id, j.status
 ), claimed AS (
     UPDATE build_jobs AS j
-    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10
+    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
+        claimed_by = $11
     WHERE j.id = ANY (ARRAY(  -- as in job_claim
         SELECT id
         FROM build_jobs
@@ -407,7 +439,8 @@ FROM claimed AS c;
 -- many went back; a row the sweep has meanwhile handed on is left alone.
 WITH given AS (
     UPDATE build_jobs AS j
-    SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1, claim_token = NULL
+    SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1, claim_token = NULL,
+        claimed_by = NULL
     FROM unnest($1::uuid[], $2::int[]) AS b(id, attempt)
     WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
     RETURNING j.id
@@ -425,7 +458,8 @@ FROM given;
 -- handed to a replica whose claims set no token.
 WITH given AS (
     UPDATE build_jobs
-    SET status = 'pending', picked_at = NULL, attempt = attempt - 1, claim_token = NULL
+    SET status = 'pending', picked_at = NULL, attempt = attempt - 1, claim_token = NULL,
+        claimed_by = NULL
     WHERE claim_token = $1 AND status = 'in_progress'
       AND picked_at >= now() - make_interval(mins => $2)
     RETURNING id
@@ -447,3 +481,125 @@ SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1);
 -- name: queue_notify
 -- Wake every listening worker (jobs went back to pending outside an enqueue).
 SELECT pg_notify($1, '');
+
+-- The statements below serve worker registration, heartbeats, leadership and
+-- the rescue of a dead worker's jobs (migration 0008).
+
+-- name: worker_register
+-- A worker process announces itself: $1 id, $2 host, $3 pid, $4 kinds, $5 its
+-- lease in seconds (a rescuer judges each worker by its own).
+INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs)
+VALUES ($1, $2, $3, $4, $5);
+
+-- name: worker_heartbeat
+-- Renew worker $1's heartbeat; with a role ($2, not NULL), also hold or take that
+-- role for $3 seconds: held while renewed before it expires, taken when it has
+-- expired (or was never held). `alive` is false when the row is gone or was
+-- declared dead (its jobs were rescued): the worker must stop them and
+-- register anew. `leader` says whether it holds the role now.
+WITH beat AS (
+    UPDATE nasiko_queue_workers SET heartbeat_at = now()
+    WHERE id = $1 AND dead_at IS NULL
+    RETURNING id
+), lead AS (
+    INSERT INTO nasiko_queue_leaders AS l (role, worker_id, expires_at)
+    SELECT $2, beat.id, now() + make_interval(secs => $3) FROM beat WHERE $2::text IS NOT NULL
+    ON CONFLICT (role) DO UPDATE
+    SET worker_id = excluded.worker_id,
+        elected_at = CASE WHEN l.worker_id = excluded.worker_id THEN l.elected_at ELSE now() END,
+        expires_at = excluded.expires_at
+    WHERE l.worker_id = excluded.worker_id OR l.expires_at < now()
+    RETURNING l.worker_id
+)
+SELECT EXISTS (SELECT 1 FROM beat) AS alive, EXISTS (SELECT 1 FROM lead) AS leader;
+
+-- name: worker_deregister
+-- A worker stops ($1): any role it held is released at once, and its row goes,
+-- unless it still holds jobs (a give-back that failed in an outage): then it is
+-- declared dead instead, and the leader's rescue gives them back.
+WITH roles AS (
+    DELETE FROM nasiko_queue_leaders WHERE worker_id = $1
+), held AS (
+    SELECT EXISTS (SELECT 1 FROM build_jobs
+                   WHERE claimed_by = $1 AND status = 'in_progress') AS holds
+), gone AS (
+    DELETE FROM nasiko_queue_workers
+    WHERE id = $1 AND NOT (SELECT holds FROM held)
+    RETURNING id
+)
+UPDATE nasiko_queue_workers SET dead_at = now()
+WHERE id = $1 AND dead_at IS NULL AND (SELECT holds FROM held);
+
+-- name: worker_retire
+-- A worker gives up its identity ($1): cut off from the database for too long, it
+-- stopped its jobs; declared dead, they are given back by the leader's rescue.
+UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1 AND dead_at IS NULL;
+
+-- name: workers_expired
+-- Live workers whose heartbeat is older than their own lease: presumed dead.
+SELECT id, heartbeat_at
+FROM nasiko_queue_workers
+WHERE dead_at IS NULL AND heartbeat_at < now() - make_interval(secs => lease_secs)
+ORDER BY heartbeat_at;
+
+-- name: worker_declare_dead
+-- Declare worker $1 dead, if its heartbeat is still the one the rescuer saw ($2):
+-- one that came back meanwhile is left alone. From then on its heartbeats say
+-- `alive = false`.
+UPDATE nasiko_queue_workers
+SET dead_at = now()
+WHERE id = $1 AND dead_at IS NULL AND heartbeat_at = $2
+RETURNING id;
+
+-- name: jobs_held_by_dead_exhausted
+-- Jobs that dead workers hold, with no attempts left ($1 = MAX_ATTEMPTS): each is
+-- failed and terminalized in a transaction of its own (`job_fail` with the
+-- worker). A dead worker's claims are all older than the end of its lease (or
+-- its retirement): a later claim naming it was made by someone else (the
+-- original's SQL, which never sets `claimed_by`, after its own sweep).
+SELECT j.id, j.attempt, j.agent_id, j.connector_id, j.claimed_by
+FROM build_jobs AS j
+JOIN nasiko_queue_workers AS w ON w.id = j.claimed_by
+WHERE w.dead_at IS NOT NULL AND j.status = 'in_progress' AND j.attempt >= $1
+  AND j.picked_at <= least(w.dead_at, w.heartbeat_at + make_interval(secs => w.lease_secs))
+ORDER BY j.picked_at, j.id
+LIMIT $2;
+
+-- name: jobs_rescue
+-- Jobs that dead workers hold, with attempts left ($1 = MAX_ATTEMPTS), back to
+-- pending, the attempt counted (as for any crash), with a NOTIFY on $2 (when
+-- not NULL). The same choice as `jobs_held_by_dead_exhausted`.
+WITH rescued AS (
+    UPDATE build_jobs AS j
+    SET status = 'pending', picked_at = NULL, claimed_by = NULL, claim_token = NULL
+    FROM nasiko_queue_workers AS w
+    WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL
+      AND j.status = 'in_progress' AND j.attempt < $1
+      AND j.picked_at <= least(w.dead_at, w.heartbeat_at + make_interval(secs => w.lease_secs))
+    RETURNING j.id
+)
+SELECT count(*) AS rescued,
+       CASE WHEN count(*) > 0 AND $2::text IS NOT NULL THEN pg_notify($2, '') END AS notified
+FROM rescued;
+
+-- name: workers_prune_dead
+-- Forget workers declared dead longer ago than $1 seconds (kept meanwhile for
+-- `status`) that hold no job any more.
+DELETE FROM nasiko_queue_workers AS w
+WHERE w.dead_at < now() - make_interval(secs => $1)
+  AND NOT EXISTS (SELECT 1 FROM build_jobs AS j
+                  WHERE j.claimed_by = w.id AND j.status = 'in_progress');
+
+-- name: workers_list
+-- `status`: every registered worker, live or dead, and whether it leads.
+SELECT w.id, w.host, w.pid, w.kinds, w.started_at, w.heartbeat_at, w.lease_secs,
+       w.dead_at,
+       extract(epoch FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
+       (w.dead_at IS NULL AND w.heartbeat_at >= now() - make_interval(secs => w.lease_secs))
+           AS alive,
+       coalesce((SELECT array_agg(l.role) FROM nasiko_queue_leaders AS l
+                 WHERE l.worker_id = w.id AND l.expires_at >= now()), '{}') AS roles,
+       (SELECT count(*) FROM build_jobs AS j
+        WHERE j.claimed_by = w.id AND j.status = 'in_progress') AS holding
+FROM nasiko_queue_workers AS w
+ORDER BY w.started_at;

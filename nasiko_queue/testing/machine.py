@@ -65,7 +65,7 @@ from .._sql import Q
 from ..config import QueueConfig
 from ..database import Database, open_database
 from ..executors import Executors, JobContext
-from ..jobs import JobStore, PgJobStore
+from ..jobs import MAINTENANCE_ROLE, JobStore, PgJobStore, WorkerIdentity
 from ..payloads import BUILTIN_PAYLOAD_TYPES, Payload
 from ..queue import Queue
 from ..secrets import SecretBox
@@ -119,6 +119,10 @@ HARNESS_CONFIG = QueueConfig(
     recovery_interval=3600.0,
     retry_initial_delay=0.01,
     retry_max_delay=0.05,
+    # The machine's own rules play the leader (`rescue`, `recovery_sweep`), one step
+    # at a time; a drain's worker running maintenance of its own meanwhile would
+    # make what happens depend on timing.
+    maintenance=False,
 )
 
 
@@ -584,11 +588,23 @@ class QueueStateMachine(RuleBasedStateMachine):
                 for worker in workers:
                     worker.stop()
 
-    @rule()
-    def crash_after_claim(self) -> None:
-        """A worker process claims a job and dies (SIGKILL): the row stays in_progress."""
-        claimed = self._call(self.store.claim, 1)
-        expected = self.model.crash_claim()
+    @rule(heartbeats=st.booleans())
+    def crash_after_claim(self, heartbeats: bool = False) -> None:
+        """
+        A worker process claims a job and dies (SIGKILL): the row stays in_progress.
+        With `heartbeats`, the worker is a registered row that the claim names (it
+        stops heartbeating, and the rescue takes over once its lease is gone);
+        without, it is a replica that does not heartbeat (the original's), whose
+        rows only the 60-minute sweep recovers.
+        """
+        holder: UUID | None = None
+        if heartbeats:
+            worker = self._register()
+            claimed = self._call(worker.claim, 1)
+            holder = worker.worker_id
+        else:
+            claimed = self._call(self.store.claim, 1)
+        expected = self.model.crash_claim(holder=holder)
         assert [j.id for j in claimed] == ([expected.id] if expected else []), (
             f"claim took {[j.id for j in claimed]}, the oldest claimable is "
             f"{expected.id if expected else None}")
@@ -635,35 +651,109 @@ class QueueStateMachine(RuleBasedStateMachine):
         self.recovery_sweep()
 
     @precondition(lambda self: bool(self.model.claimable()))
-    @rule(write=st.sampled_from(("finish", "fail", "reset")))
-    def stale_writer(self, write: str) -> None:
+    @rule(handed_on_by=st.sampled_from(("sweep", "rescue")))
+    def stale_writer(self, handed_on_by: str) -> None:
         """
         A worker claims the oldest job and is cut off (a network partition, a
-        pause) for longer than the stuck threshold; the sweep hands the job on and
-        another worker claims it. Then the first worker comes back and writes its
-        outcome: a finish, a failure with terminalization, or a reset. Its claim
-        is no longer current, so none of them may change anything.
+        pause) until the job is handed on and another worker claims it: by the
+        sweep, past the stuck threshold, for a replica that does not heartbeat;
+        by the rescue, past its lease, for one that does (whose next heartbeat
+        then says it was declared dead). Then the first worker comes back and
+        writes every outcome it could write: a finish, a failure with
+        terminalization, a reset. Its claim is no longer current, so none of them
+        may change anything. (All three in one rule, so that each stale write is
+        tried in every example that reaches this state.)
         """
         job = self.model.claimable()[0]
-        stale = self._call(self.store.claim, 1)
-        self.model.crash_claim()
-        assert [j.id for j in stale] == [job.id], (stale, job.id)
-        self._age_one(job.id, self.config.stuck_job_mins + 1)
-        self.recovery_sweep()
+        if handed_on_by == "sweep":
+            store = self.store
+            stale = self._call(store.claim, 1)
+            self.model.crash_claim()
+            assert [j.id for j in stale] == [job.id], (stale, job.id)
+            self._age_one(job.id, self.config.stuck_job_mins + 1)
+            self.recovery_sweep()
+        else:
+            store = self._register()
+            stale = self._call(store.claim, 1)
+            self.model.crash_claim(holder=store.worker_id)
+            assert [j.id for j in stale] == [job.id], (stale, job.id)
+            assert store.worker_id is not None
+            self._expire(store.worker_id)
+            self._rescue_round()
         # The job's new holder (it went back to pending if it had attempts left):
         # other workers claim whatever is older first.
         while self.model.jobs.get(job.id) is not None and job.status == "pending":
             self.crash_after_claim()
+        if handed_on_by == "rescue":
+            assert not self._call(store.heartbeat, None).alive
         build = job.build_id or uuid.uuid4()
         for claim in stale:
-            if write == "finish":
-                statuses = self._call(self.store.finish_many_and_claim, [(claim, build)], 0)[0]
-                assert statuses.get(claim.id) in (None, "failed"), (
-                    f"a stale finish of {claim.id} reported {statuses.get(claim.id)}")
-            elif write == "fail":
-                self._call(self._stale_fail, claim, build)
-            else:
-                self._call(self.store.reset, claim)
+            statuses = self._call(store.finish_many_and_claim, [(claim, build)], 0)[0]
+            assert statuses.get(claim.id) in (None, "failed"), (
+                f"a stale finish of {claim.id} reported {statuses.get(claim.id)}")
+            self._call(self._stale_fail, claim, build)
+            self._call(store.reset, claim)
+
+    # -- rules: heartbeats, leases, rescue, leadership ------------------------------
+
+    def _register(self) -> PgJobStore:
+        """A worker process of its own (a registered row), played by a bare store."""
+        store = PgJobStore(self.env.db, self.config, runnable_kinds=self.executors.kinds,
+                           known_kinds=self.known)
+        identity = WorkerIdentity(id=uuid.uuid4(), host="machine", pid=0,
+                                  kinds=tuple(sorted(self.executors.kinds)))
+        self._call(store.register_worker, identity)
+        self.model.workers[identity.id] = "alive"
+        return store
+
+    def _expire(self, worker: UUID) -> None:
+        """A minute passes without a heartbeat from `worker` (longer than its lease)."""
+        self._call(self.env.db.execute, Q.testing_worker_expire, worker)
+        self.model.expire(worker)
+
+    def _rescue_round(self) -> None:
+        result = self._call(self.store.rescue)
+        assert (result.declared_dead, result.failed, result.rescued) == self.model.rescue(), (
+            result)
+
+    @rule(data=st.data(), live_holder=st.booleans())
+    def rescue(self, data: st.DataObject, live_holder: bool) -> None:
+        """
+        Time passes: one of the heartbeating workers that died (`crash_after_claim`
+        with heartbeats) may see its lease run out; then a round of the leader's
+        rescue gives back the jobs of every worker past its lease, or fails them.
+        With `live_holder`, a worker whose heartbeat is still fresh holds the
+        oldest job meanwhile (a new one, if none is waiting): the rescue must
+        leave that one alone, unless this very step lets its lease run out.
+        """
+        if live_holder:
+            if not self.model.claimable():
+                self._call(self._enqueue, self.kinds[0], False, ())
+            self.crash_after_claim(heartbeats=True)
+        alive = [w for w, state in self.model.workers.items() if state == "alive"]
+        if alive:
+            worker = data.draw(st.none() | st.sampled_from(alive), label="expire")
+            if worker is not None:
+                self._expire(worker)
+        self._rescue_round()
+
+    @rule()
+    def leader_dies(self) -> None:
+        """
+        Two workers stand for the maintenance leadership: exactly one wins. The
+        leader dies (its hold runs out unrenewed); the other's next heartbeat
+        takes over, and the old one, were it only paused, no longer leads.
+        """
+        first, second = self._register(), self._register()
+        beats = [self._call(store.heartbeat, MAINTENANCE_ROLE) for store in (first, second)]
+        assert [b.leader for b in beats] == [True, False], beats
+        assert first.worker_id is not None
+        self._call(self.env.db.execute, Q.testing_leader_expire, first.worker_id)
+        assert self._call(second.heartbeat, MAINTENANCE_ROLE).leader
+        assert not self._call(first.heartbeat, MAINTENANCE_ROLE).leader
+        for store in (first, second):  # both stop: rows and role released
+            self._call(store.deregister_worker)
+            del self.model.workers[store.worker_id]  # type: ignore[arg-type]
 
     def _age_one(self, job_id: UUID, minutes: int) -> None:
         self._call(self.env.db.execute, Q.job_age_in_progress, job_id, minutes)
@@ -692,6 +782,11 @@ class QueueStateMachine(RuleBasedStateMachine):
             "builds", db["builds"], self.model.build_rows())
         self._check_history(db["jobs"])
         self._check_terminal(db)
+        holders = {j.id: j.holder for j in self.model.jobs.values()
+                   if j.status == "in_progress" and j.holder is not None}
+        for job_id, holder in holders.items():
+            assert db["holders"].get(job_id) == holder, (
+                f"job {job_id} is held by {db['holders'].get(job_id)}, the model says {holder}")
 
     async def _snapshot(self) -> dict[str, Any]:
         async def read(conn: Any) -> dict[str, Any]:
@@ -705,7 +800,8 @@ class QueueStateMachine(RuleBasedStateMachine):
                       for r in await conn.fetch(Q.snapshot_agent_builds)}
             builds.update({r["id"]: (r["target_id"], r["status"])
                            for r in await conn.fetch(Q.snapshot_connector_builds)})
-            return {"jobs": jobs, "targets": targets, "builds": builds}
+            holders = {r["id"]: r["claimed_by"] for r in await conn.fetch(Q.snapshot_holders)}
+            return {"jobs": jobs, "targets": targets, "builds": builds, "holders": holders}
 
         return await self.env.db.run(read)
 

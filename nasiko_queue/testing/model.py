@@ -97,6 +97,9 @@ class JobState:
     completed: bool = False
     #: Minutes since picked_at, as the machine set it in SQL (0: just claimed).
     age_mins: int = 0
+    #: The registered worker whose claim holds it (None: a claim naming no worker,
+    #: as the original's SQL makes, or none).
+    holder: UUID | None = None
     #: How many times an executor ran this job.
     runs: int = 0
 
@@ -137,6 +140,9 @@ class QueueModel:
     targets: dict[UUID, TargetState] = attrs.Factory(dict)
     #: Jobs whose row went with their deleted target.
     gone: set[UUID] = attrs.Factory(set)
+    #: Registered workers the machine plays: id -> "alive", "expired" (its
+    #: heartbeat older than its lease) or "dead" (declared so by a rescue).
+    workers: dict[UUID, str] = attrs.Factory(dict)
     _seq: int = 0
 
     # -- events from the application ------------------------------------------------
@@ -183,18 +189,19 @@ class QueueModel:
             key=lambda j: j.seq,
         )
 
-    def claim(self, job: JobState) -> int:
+    def claim(self, job: JobState, holder: UUID | None = None) -> int:
         """in_progress, picked_at now(), attempt + 1; returns old_attempt."""
         old = job.attempt
         job.status, job.attempt, job.picked, job.age_mins = "in_progress", old + 1, True, 0
+        job.holder = holder
         return old
 
-    def crash_claim(self) -> JobState | None:
+    def crash_claim(self, holder: UUID | None = None) -> JobState | None:
         """A worker claims the oldest job and dies: the row stays in_progress."""
         pending = self.claimable()
         if not pending:
             return None
-        self.claim(pending[0])
+        self.claim(pending[0], holder)
         return pending[0]
 
     # -- a drain ------------------------------------------------------------------------
@@ -280,7 +287,7 @@ class QueueModel:
             target.builds[job.build_id] = status
 
     def _reset(self, job: JobState) -> None:
-        job.status, job.picked = "pending", False
+        job.status, job.picked, job.holder = "pending", False, None
 
     def _fail(self, job: JobState, message: str, *, terminalize: bool) -> None:
         job.status, job.error_msg, job.completed = "failed", message, True
@@ -326,8 +333,53 @@ class QueueModel:
                 job.age_mins = self.stuck_job_mins + 1 if minutes is None else minutes
 
     def stuck(self, job: JobState) -> bool:
-        """In progress, claimed longer ago than the threshold."""
-        return job.status == "in_progress" and job.age_mins > self.stuck_job_mins
+        """
+        In progress, claimed longer ago than the threshold, and held by no live
+        worker: the 60-minute rule is for claims that name no heartbeating worker.
+        """
+        return (job.status == "in_progress" and job.age_mins > self.stuck_job_mins
+                and self._worker_state(job) not in ("alive", "expired"))
+
+    def _worker_state(self, job: JobState) -> str | None:
+        return None if job.holder is None else self.workers.get(job.holder)
+
+    # -- workers, leases, rescue -------------------------------------------------------
+
+    def expire(self, worker: UUID) -> None:
+        """
+        A minute passes for a worker that stopped heartbeating (it died, or is
+        paused): longer than its lease. Its claims age with it.
+        """
+        if self.workers.get(worker) == "alive":
+            self.workers[worker] = "expired"
+        for job in self.jobs.values():
+            if job.status == "in_progress" and job.holder == worker:
+                job.age_mins += 1
+
+    def rescue(self) -> tuple[int, int, int]:
+        """
+        One rescue round: expired workers are declared dead; the jobs dead workers
+        hold go back to pending (attempt counted) or, out of attempts, fail and
+        terminalize. Returns (declared dead, failed, rescued).
+        """
+        declared = 0
+        for worker, state in self.workers.items():
+            if state == "expired":
+                self.workers[worker] = "dead"
+                declared += 1
+        held = sorted((j for j in self.jobs.values() if j.status == "in_progress"
+                       and self._worker_state(j) == "dead"), key=lambda j: j.seq)
+        failed = rescued = 0
+        for job in held:
+            if job.id not in self.jobs:
+                continue
+            if job.attempt >= self.max_attempts:
+                self._fail(job, MAX_ATTEMPTS_EXCEEDED, terminalize=True)
+                failed += 1
+            else:
+                job.status, job.picked, job.age_mins, job.holder = "pending", False, 0, None
+                rescued += 1
+        return declared, failed, rescued
 
     def recover(self) -> tuple[int, int]:
         """The two sweep statements: exhausted stuck jobs fail, the others go back."""
@@ -340,7 +392,7 @@ class QueueModel:
         reset = 0
         for job in [j for j in stuck if j.attempt < self.max_attempts]:
             if job.id in self.jobs:
-                job.status, job.picked, job.age_mins = "pending", False, 0
+                job.status, job.picked, job.age_mins, job.holder = "pending", False, 0, None
                 reset += 1
         return failed, reset
 
