@@ -156,9 +156,9 @@ async def test_a_hard_stop_is_bounded_when_the_server_stops_answering(
         await outer.start(proxy.run)
         # The worst case of a hard stop (README, "Stopping"): the running jobs'
         # releases (in parallel), the last finishes (two tries), the give-back
-        # of the buffer, one lost claim's resolution (two tries): six bounds; then
-        # the two pools' close, one bound each.
-        worst = 8 * BOUND
+        # of the buffer, one lost claim's resolution (two tries), the worker
+        # row's removal: seven bounds; then the three pools' close, one each.
+        worst = 10 * BOUND
         with trio.fail_after(worst + 1.0):  # + slack for a loaded machine
             async with open_database(attrs.evolve(
                     _config_of(proxy), cleanup_timeout=BOUND)) as db:
@@ -169,7 +169,9 @@ async def test_a_hard_stop_is_bounded_when_the_server_stops_answering(
                     worker.wake()
                     with trio.fail_after(20):
                         await started.wait()
-                    proxy.freeze()
+                    # Nothing answers, new connections included: a release that
+                    # opened a fresh connection must not reach the server either.
+                    proxy.partition()
                     stop_at = trio.current_time()
                     nursery.cancel_scope.cancel()
             took = trio.current_time() - stop_at
@@ -178,7 +180,7 @@ async def test_a_hard_stop_is_bounded_when_the_server_stops_answering(
     assert took <= worst + 1.0
     row = await job_row(queue.db, job.job_id)
     assert row is not None
-    assert row["status"] == "in_progress"  # the server never heard: left for rescue
+    assert row["status"] == "in_progress"  # the server never heard: left for the rescue
 
 
 def _config_of(proxy: Proxy) -> Any:
