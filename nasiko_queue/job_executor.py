@@ -171,7 +171,10 @@ class JobExecutor:
         # Cancelled by the fence (the worker lost its lease) only; a hard stop
         # cancels from outside and passes through it.
         fence = trio.CancelScope()
-        self.state.job_scopes[job.id] = fence
+        # Per claim, not per job: a crashed run's reset commits before this run's
+        # bookkeeping ends, and another slot may already be running the job again.
+        claim = (job.id, job.attempt)
+        self.state.job_scopes[claim] = fence
         try:
             with fence, trio.move_on_after(math.inf if limit is None else limit) as limited:
                 async with trio.open_nursery() as nursery:
@@ -187,7 +190,7 @@ class JobExecutor:
             await self._release(job)
             raise
         finally:
-            del self.state.job_scopes[job.id]
+            del self.state.job_scopes[claim]
         if limited.cancelled_caught:
             self.state.stats.timed_out += 1
             log.error("job %s (%s) ran past its limit of %ss on attempt %d; cancelled, counted "

@@ -163,8 +163,10 @@ class WorkerState:
     leader_until: float = float("-inf")
     #: Cut off (or declared dead): claim nothing until registered anew.
     fenced: bool = False
-    #: The cancel scope of each running job's executor, for the fence.
-    job_scopes: dict[UUID, trio.CancelScope] = attrs.Factory(dict)
+    #: The cancel scope of each running job's executor, for the fence, by
+    #: claim (job id, attempt): two runs of one job may overlap in one worker
+    #: for a moment (a crashed run's reset commits, another slot claims it).
+    job_scopes: dict[tuple[UUID, int], trio.CancelScope] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self.stats = WorkerStats(_changed_lot=self.changed)

@@ -425,3 +425,49 @@ async def test_a_worker_declared_dead_stops_its_job_and_starts_afresh(db: Databa
     assert row is not None
     assert (row["status"], row["attempt"]) == ("done", 2)
     assert runs == [1, 2]
+
+
+async def test_two_runs_of_one_job_in_one_worker_are_fenced_each(db: Database) -> None:
+    """
+    Found by the concurrent state machine (a control run failed under load): a
+    crashed job's reset commits, another slot of the same worker claims the job
+    again and starts it, and only then does the first run's bookkeeping end. The
+    running jobs were kept by job id, so the first run's end removed the second
+    run's entry: the fence could no longer stop the second run, and its own end
+    raised KeyError (which cost the job an attempt). They are kept per claim now.
+    """
+    first_may_end = trio.Event()
+    second_started = trio.Event()
+
+    async def run(ctx: JobContext[Any]) -> None:
+        if ctx.attempt == 1:
+            await first_may_end.wait()
+            await succeed(ctx)
+        else:
+            second_started.set()
+            await trio.sleep_forever()  # only the fence ends it
+
+    queue = _queue(db)
+    await enqueue_with_target(queue, "Upload")
+    worker = Worker(queue, executors_for_all(run))
+    (first,) = await worker.executor.store.claim(1)
+    second = attrs.evolve(first, old_attempt=first.attempt)  # attempt 2, the same job
+    results: dict[int, Any] = {}
+    first_ended = trio.Event()
+
+    async def run_once(job: Any) -> None:
+        results[job.attempt] = await worker.executor.run_once(job)
+        if job.attempt == 1:
+            first_ended.set()
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_once, first)
+            nursery.start_soon(run_once, second)
+            await second_started.wait()
+            first_may_end.set()
+            await first_ended.wait()
+            worker.executor.fence()  # the worker lost its lease: both runs must stop
+    assert results[1] is not None  # the first finished (its outcome is for the completer)
+    assert results[2] is None  # the second was stopped by the fence, its outcome unwritten
+    assert worker.state.job_scopes == {}
