@@ -73,6 +73,8 @@ class Queries:
     job_age_in_progress: str
     jobs_age_in_progress: str
     job_insert_notify: str
+    jobs_insert_many: str
+    jobs_insert_many_notify: str
     jobs_prune: str
     jobs_finish_many_and_claim: str
     jobs_unclaim: str

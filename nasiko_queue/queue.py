@@ -13,8 +13,8 @@ and enqueue never waits for a worker.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from uuid import UUID
+from collections.abc import Callable, Sequence
+from uuid import UUID, uuid4
 
 from ._sql import Q
 from .config import QueueConfig
@@ -77,20 +77,7 @@ class Queue:
                 read back as a sealed one.
             ValueError: no owner could be determined.
         """
-        owner = owner_id if owner_id is not None else payload.job_owner()
-        if owner is None:
-            raise ValueError(
-                f"a {payload.kind} payload names no owner; pass enqueue(..., owner_id=<user id>)"
-            )
-        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
-        size = len(text.encode("utf-8"))
-        if size > self.config.max_payload_bytes:
-            raise PayloadTooLarge(
-                f"{payload.kind} payload is {size} bytes; the limit is "
-                f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
-            )
-        target = payload.target()
-        args = (target.agent_id, target.connector_id, owner, text)
+        args = self._row(payload, owner_id)
         channel = self.config.notify_channel
         if tx is None:
             # The insert and its NOTIFY in one statement: one crossing, one commit.
@@ -109,6 +96,75 @@ class Queue:
                 tx._notified.add(channel)
             tx.call_after_commit(self.wake)
         return job_id
+
+    async def enqueue_many(
+        self,
+        payloads: Sequence[Payload],
+        *,
+        tx: Transaction | None = None,
+        owner_id: UUID | None = None,
+    ) -> list[UUID]:
+        """
+        Add many jobs in one statement; return their ids, in the order given.
+
+        Every payload is encoded and checked before anything is sent, so a bad
+        one refuses the whole batch (its index is in the message) and inserts
+        nothing. The jobs are claimed in the order given. One NOTIFY per
+        transaction, as for `enqueue`; with `tx`, they commit or vanish with it.
+
+        Args:
+            payloads: built-in or registered `Payload`s, of any mix of kinds.
+            tx: as for `enqueue`.
+            owner_id: the owner of every payload that names none of its own.
+
+        Raises:
+            As `enqueue`, for the first payload that fails, with its index.
+        """
+        rows = []
+        for index, payload in enumerate(payloads):
+            try:
+                rows.append(self._row(payload, owner_id))
+            except Exception as exc:
+                exc.add_note(f"payload {index} of the {len(payloads)} given to enqueue_many; "
+                             "nothing was enqueued")
+                raise
+        if not rows:
+            return []
+        ids = [uuid4() for _ in rows]
+        columns = (ids, *([r[i] for r in rows] for i in range(4)))
+        channel = self.config.notify_channel
+        if tx is None:
+            if channel is None:
+                await self.db.execute(Q.jobs_insert_many, *columns)
+            else:
+                await self.db.execute(Q.jobs_insert_many_notify, *columns, channel)
+            self.wake()
+        else:
+            if channel is None or channel in tx._notified:
+                await tx.execute(Q.jobs_insert_many, *columns)
+            else:
+                await tx.execute(Q.jobs_insert_many_notify, *columns, channel)
+                tx._notified.add(channel)
+            tx.call_after_commit(self.wake)
+        return ids
+
+    def _row(self, payload: Payload,
+             owner_id: UUID | None) -> tuple[UUID | None, UUID | None, UUID, str]:
+        """A job's columns (agent, connector, owner, payload text), checked and sealed."""
+        owner = owner_id if owner_id is not None else payload.job_owner()
+        if owner is None:
+            raise ValueError(
+                f"a {payload.kind} payload names no owner; pass enqueue(..., owner_id=<user id>)"
+            )
+        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
+        size = len(text.encode("utf-8"))
+        if size > self.config.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"{payload.kind} payload is {size} bytes; the limit is "
+                f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
+            )
+        target = payload.target()
+        return (target.agent_id, target.connector_id, owner, text)
 
     def wake(self) -> None:
         """Wake every worker running in this process on this queue; never blocks."""

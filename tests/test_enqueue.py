@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 import trio
 
 from nasiko_queue import PayloadTooLarge, Queue, QueueConfig, StandaloneBuild, Worker
 from nasiko_queue.errors import SecretsNotConfigured
-from nasiko_queue.testing import enqueue_with_target, insert_agent, insert_agent_build, make_payload
+from nasiko_queue.testing import (
+    enqueue_with_target,
+    insert_agent,
+    insert_agent_build,
+    insert_connector,
+    insert_connector_build,
+    make_payload,
+)
 
-from .helpers import executors_for_all, job_row, succeed
+from .helpers import executors_for_all, job_row, running, succeed
 
 
 def _buffered(worker: Worker) -> int:
@@ -120,3 +128,119 @@ async def test_secrets_need_a_key(db: object) -> None:
     with pytest.raises(SecretsNotConfigured):
         await enqueue_with_target(queue, "McpServerUpload", env={"TOKEN": "x"})
     assert await queue.db.fetchval("SELECT count(*) FROM mcp_connectors") == 0
+
+
+# -- enqueue_many: a batch in one statement ------------------------------------------------
+
+
+async def _payloads(sql: Any, n: int, kinds: tuple[str, ...] = ("Upload",)) -> list[Any]:
+    """`n` payloads, kinds in turn, each with its target and build row (in `sql`)."""
+    payloads = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        owner = uuid.uuid4()
+        if kind == "McpServerUpload":
+            target = await insert_connector(sql, owner_id=owner)
+            build = await insert_connector_build(sql, target, owner_id=owner)
+        else:
+            target = await insert_agent(sql, owner_id=owner)
+            build = await insert_agent_build(sql, target)
+        payloads.append(make_payload(kind, target_id=target, build_id=build, owner_id=owner,
+                                     name=f"{kind.lower()}-{i}",
+                                     env={"API_TOKEN": f"s3cret-{i}"}))
+    return payloads
+
+
+async def test_enqueue_many_inserts_the_batch_and_it_runs_in_the_order_given(
+    queue: Queue,
+) -> None:
+    payloads = await _payloads(queue.db, 60, ("Upload", "McpServerUpload", "Rollback"))
+    ids = await queue.enqueue_many(payloads)
+    assert len(set(ids)) == 60
+    rows = await queue.db.fetch(
+        "SELECT id, status, attempt, payload ->> 'kind' AS kind, owner_id FROM build_jobs "
+        "ORDER BY created_at")
+    assert [r["id"] for r in rows] == ids
+    # The order is the claim's own (ORDER BY created_at), not a tie that the
+    # index happens to break in insertion order.
+    assert await queue.db.fetchval("SELECT count(DISTINCT created_at) FROM build_jobs") == 60
+    assert {(r["status"], r["attempt"]) for r in rows} == {("pending", 0)}
+    assert [r["kind"] for r in rows] == [p.kind for p in payloads]
+    assert [r["owner_id"] for r in rows] == [p.job_owner() for p in payloads]
+
+    ran: list[Any] = []
+
+    async def record(ctx: Any) -> None:
+        ran.append(ctx.job_id)
+        await succeed(ctx)
+
+    assert queue.config.concurrency == 1  # one job at a time: the claim order is the run order
+    async with running(queue, executors_for_all(record)) as worker:
+        with trio.fail_after(20):
+            await worker.wait_for(lambda s: s.done >= 60)
+    assert ran == ids  # claimed oldest first: the batch's own order
+
+
+async def test_enqueue_many_seals_secrets_as_enqueue_does(queue: Queue) -> None:
+    payloads = await _payloads(queue.db, 4, ("Upload", "McpServerUpload"))
+    await queue.enqueue_many(payloads)
+    stored = [r["env"] for r in await queue.db.fetch(
+        "SELECT payload -> 'env' ->> 'API_TOKEN' AS env FROM build_jobs")]
+    assert len(stored) == 4
+    assert all(v.startswith("nq1:") and "s3cret" not in v for v in stored), stored
+
+
+async def test_enqueue_many_commits_with_the_callers_transaction_and_sends_one_notify(
+    queue: Queue,
+) -> None:
+    channel = queue.config.notify_channel
+    assert channel is not None
+    heard: list[str] = []
+    marker = trio.Event()
+
+    def on_notify(payload: str) -> None:
+        heard.append(payload)
+        if payload == "marker":
+            marker.set()
+
+    async def handler_that_fails() -> None:
+        async with queue.db.transaction() as tx:
+            await queue.enqueue_many(await _payloads(tx, 5), tx=tx)
+            raise RuntimeError("handler failed")
+
+    worker = Worker(queue, executors_for_all(succeed))
+    queue._add_waker(worker.wake)
+    async with queue.db.listen(channel, on_notify):
+        with pytest.raises(RuntimeError, match="handler failed"):
+            await handler_that_fails()
+        assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+        assert _buffered(worker) == 0
+
+        async with queue.db.transaction() as tx:
+            await queue.enqueue_many(await _payloads(tx, 30), tx=tx)
+            await queue.enqueue_many(await _payloads(tx, 30), tx=tx)
+            assert _buffered(worker) == 0  # not before commit
+        assert _buffered(worker) == 2
+        # A notification of our own after the batch's: once it arrives, every
+        # notification sent before it has arrived too.
+        await queue.db.execute("SELECT pg_notify($1, 'marker')", channel)
+        with trio.fail_after(10):
+            await marker.wait()
+    assert heard == ["", "marker"]  # one NOTIFY for the transaction, not one per job
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 60
+
+
+async def test_a_bad_payload_refuses_the_whole_batch_and_says_which(db: object) -> None:
+    from .conftest import MASTER_KEY
+
+    queue = Queue(db, config=QueueConfig(max_payload_bytes=2048), secrets=MASTER_KEY)  # type: ignore[arg-type]
+    payloads = await _payloads(queue.db, 5)
+    owner = uuid.uuid4()
+    payloads[3] = make_payload("Upload", target_id=await insert_agent(queue.db, owner_id=owner),
+                               build_id=uuid.uuid4(), owner_id=owner, env={"BIG": "x" * 5000})
+    with pytest.raises(PayloadTooLarge, match="max_payload_bytes") as caught:
+        await queue.enqueue_many(payloads)
+    assert "payload 3 of the 5 given to enqueue_many; nothing was enqueued" in (
+        caught.value.__notes__)
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+    assert await queue.enqueue_many([]) == []

@@ -356,6 +356,28 @@ SELECT $1::uuid, $2::uuid, $3::uuid, $4::jsonb
 FROM (SELECT pg_notify($5::text, '')) AS notify
 RETURNING id;
 
+-- name: jobs_insert_many
+-- Enqueue a batch in one statement: $1 ids (made by the caller, so that the ids
+-- come back in the caller's order whatever order RETURNING has), $2 agent ids,
+-- $3 connector ids, $4 owners, $5 payloads. created_at is the clock per row, so
+-- that the batch is claimed in the order given (now() is the same for every row
+-- of a statement: the claim's ORDER BY created_at would leave their order open).
+INSERT INTO build_jobs (id, agent_id, connector_id, owner_id, payload, created_at)
+SELECT i, a, c, o, p::jsonb, clock_timestamp()
+FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[])
+     WITH ORDINALITY AS b(i, a, c, o, p, n)
+ORDER BY n;
+
+-- name: jobs_insert_many_notify
+-- `jobs_insert_many` and a NOTIFY on channel $6, in one statement (as
+-- `job_insert_notify`: once per transaction).
+INSERT INTO build_jobs (id, agent_id, connector_id, owner_id, payload, created_at)
+SELECT i, a, c, o, p::jsonb, clock_timestamp()
+FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[])
+     WITH ORDINALITY AS b(i, a, c, o, p, n),
+     (SELECT pg_notify($6::text, '')) AS notify
+ORDER BY n;
+
 -- name: jobs_prune
 -- Retention: delete up to $2 done/failed jobs completed more than $1 (an
 -- interval) ago, by the database's clock. Pending and in_progress rows are
