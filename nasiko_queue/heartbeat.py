@@ -172,8 +172,10 @@ class HeartbeatService:
             with self._fence:
                 await trio.sleep_forever()
             if not self.state.fenced:
+                # After a pause (SIGSTOP, a frozen VM) this fires before the next
+                # heartbeat's answer can say the worker was declared dead.
                 self._fenced(f"no heartbeat landed for {self.fence_after:.0f}s (cut off from "
-                             "the database)")
+                             "the database, or this process was paused)")
             # Fenced: wait for `_resume` to re-arm the deadline.
             self._fence = trio.CancelScope(deadline=math.inf)
 
