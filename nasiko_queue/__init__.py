@@ -33,6 +33,8 @@ from .errors import SecretDecryptError as SecretDecryptError
 from .errors import SecretsNotConfigured as SecretsNotConfigured
 from .executors import Executors as Executors
 from .executors import JobContext as JobContext
+from .job_errors import JobError as JobError
+from .job_errors import job_errors as job_errors
 from .jobs import JobStatus as JobStatus
 from .migrate import migrate as migrate
 from .payloads import BUILTIN_PAYLOAD_TYPES as BUILTIN_PAYLOAD_TYPES

@@ -80,6 +80,9 @@ class Queries:
     jobs_unclaim: str
     jobs_unclaim_lost: str
     backend_end: str
+    job_error_insert: str
+    job_errors_of: str
+    job_errors_prune: str
     backend_alive: str
     queue_notify: str
     worker_register: str

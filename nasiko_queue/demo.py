@@ -393,6 +393,9 @@ class DemoLog(RichHandler):
 
     def is_expected(self, record: logging.LogRecord) -> bool:
         """Whether a scenario provoked this record on purpose (each refusal counts once)."""
+        error = getattr(record, "job_error", None)  # a crash, as the worker logs it
+        if error is not None:
+            return bool(error.error_type == _SIMULATED)
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
             return all(isinstance(leaf, SimulatedCrash) for leaf in _leaves(exc))
@@ -421,6 +424,10 @@ class DemoLog(RichHandler):
         return rendered
 
 
+#: How a kept error names the demo's crashes (`JobError.error_type`).
+_SIMULATED = f"{SimulatedCrash.__module__}.{SimulatedCrash.__qualname__}"
+
+
 class _OneLineFormatter(logging.Formatter):
     """Formats a record without its traceback, naming the innermost exception instead."""
 
@@ -431,6 +438,11 @@ class _OneLineFormatter(logging.Formatter):
             text = super().format(record)
         finally:
             record.exc_info, record.exc_text = saved
+        error = getattr(record, "job_error", None)
+        if error is not None:  # the message's first line, and the error in short
+            lines = error.message.strip().splitlines()
+            return (text.splitlines()[0].rstrip(":") +
+                    f" ({error.error_type.rsplit('.', 1)[-1]}: {lines[0] if lines else ''})")
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
             leaf = next(iter(_leaves(exc)))

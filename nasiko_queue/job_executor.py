@@ -32,6 +32,7 @@ from .completer import Completer
 from .config import QueueConfig
 from .errors import InvalidPayload
 from .executors import Executors, JobContext
+from .job_errors import JobError, describe, secret_values
 from .jobs import (
     INVALID_PAYLOAD,
     JOB_PANICKED,
@@ -181,8 +182,16 @@ class JobExecutor:
                     nursery.start_soon(executor, ctx)
         except Exception as exc:  # the executor raised: an ExceptionGroup from its nursery
             self.state.stats.panicked += 1
-            log.error("job %s (%s) panicked on attempt %d", job.id, label, job.attempt,
-                      exc_info=exc)
+            # Logged and kept with the payload's secret values masked: the
+            # executor's message may quote them.
+            error = describe(exc, attempt=job.attempt, reason="crash",
+                             secrets=secret_values(payload))
+            # The traceback as text, not exc_info: a formatter would print the
+            # exception as raised, secrets and all. Handlers that want the error
+            # itself find it in `record.job_error`.
+            log.error("job %s (%s) panicked on attempt %d:\n%s", job.id, label, job.attempt,
+                      error.traceback.rstrip(), extra={"job_error": error})
+            await self._keep(job, error)
             await self.reset_panicked_job(job, payload.build_id)
             return None
         except BaseException:
@@ -195,6 +204,9 @@ class JobExecutor:
             self.state.stats.timed_out += 1
             log.error("job %s (%s) ran past its limit of %ss on attempt %d; cancelled, counted "
                       "as a crash", job.id, label, limit, job.attempt)
+            await self._keep(job, JobError(
+                attempt=job.attempt, reason="timeout", error_type="nasiko_queue.JobTimeout",
+                message=f"ran past its limit of {limit}s", traceback=""))
             await self.reset_panicked_job(job, payload.build_id)
             return None
         if fence.cancelled_caught:
@@ -205,6 +217,14 @@ class JobExecutor:
             await self._release(job, why="the fence")
             return None
         return Finish(job=job, build_id=payload.build_id, label=label)
+
+    async def _keep(self, job: ClaimedJob, error: JobError) -> None:
+        """Keep the attempt's error; an outage loses it (logged), never the job."""
+        try:
+            await self.store.record_error(job, error)
+        except Exception as exc:
+            log.warning("job %s: could not keep the error of attempt %d (%s)", job.id,
+                        job.attempt, one_line(exc))
 
     def fence(self) -> None:
         """Stop every running job's executor (the worker lost its lease)."""

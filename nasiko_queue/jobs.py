@@ -38,6 +38,7 @@ from ._sql import Q
 from .config import QueueConfig
 from .database import Database
 from .errors import OutcomeUnknown, is_connection_error, is_transient
+from .job_errors import JobError
 from .payloads import raw_build_id
 from .terminalize import terminalize_target
 
@@ -197,6 +198,8 @@ class JobStore(Protocol):
     async def deregister_worker(self) -> None: ...
 
     async def rescue(self) -> RescueResult: ...
+
+    async def record_error(self, job: ClaimedJob, error: JobError) -> None: ...
 
 
 class PgJobStore:
@@ -538,6 +541,14 @@ class PgJobStore:
             await self._db.run_bounded(
                 lambda conn: conn.execute(Q.worker_deregister, worker, timeout=self._bound),
                 bound=self._bound, control=True)
+
+    async def record_error(self, job: ClaimedJob, error: JobError) -> None:
+        """Keep a crashed attempt's error (`nasiko_queue_job_errors`)."""
+        await self._db.run_bounded(
+            lambda conn: conn.execute(Q.job_error_insert, job.id, error.attempt, self.worker_id,
+                                      error.reason, error.error_type, error.message,
+                                      error.traceback, timeout=self._bound),
+            bound=self._bound)
 
     async def rescue(self) -> RescueResult:
         """

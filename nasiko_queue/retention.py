@@ -52,6 +52,7 @@ def parse_duration(text: str) -> timedelta:
 async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZE) -> int:
     """
     Delete done/failed jobs completed more than `older_than` ago; return how many.
+    Errors kept of crashed attempts older than that go too.
 
     Loops over batches of at most `batch_size` rows, each its own statement (and
     transaction), until a batch comes back short. Ages are measured on the
@@ -68,6 +69,11 @@ async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZ
         deleted = int(status.split()[-1])  # "DELETE <n>"
         total += deleted
         if deleted < batch_size:
+            break
+    # The errors kept of crashed attempts (0009) go at the same age.
+    while True:
+        status = await db.execute(Q.job_errors_prune, older_than, batch_size)
+        if int(status.split()[-1]) < batch_size:
             break
     if total:
         log.info("pruned %d finished jobs older than %s", total, older_than)

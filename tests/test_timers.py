@@ -112,6 +112,9 @@ class FakeStore:
     async def rescue(self) -> RescueResult:
         return RescueResult(0, 0, 0)
 
+    async def record_error(self, job: Any, error: Any) -> None:
+        pass
+
     async def recover(self) -> RecoveryResult:
         self.recoveries.append(trio.current_time())
         if self.recover_fails:

@@ -625,3 +625,27 @@ SELECT w.id, w.host, w.pid, w.kinds, w.started_at, w.heartbeat_at, w.lease_secs,
         WHERE j.claimed_by = w.id AND j.status = 'in_progress') AS holding
 FROM nasiko_queue_workers AS w
 ORDER BY w.started_at;
+
+-- The statements below keep and read the errors of crashed attempts (migration 0009).
+
+-- name: job_error_insert
+-- A crashed or timed-out attempt's error: $1 job, $2 attempt, $3 worker (NULL
+-- for a tool that heartbeats no worker row), $4 reason, $5 type, $6 message,
+-- $7 traceback (bounded and masked by the caller).
+INSERT INTO nasiko_queue_job_errors (job_id, attempt, worker_id, reason, error_type, message,
+                                     traceback)
+VALUES ($1, $2, $3, $4, $5, $6, $7);
+
+-- name: job_errors_of
+-- Every kept error of job $1, oldest first.
+SELECT attempt, at, worker_id, reason, error_type, message, traceback
+FROM nasiko_queue_job_errors
+WHERE job_id = $1
+ORDER BY at, id;
+
+-- name: job_errors_prune
+-- Retention: errors kept longer than $1 (an interval), up to $2 at a time.
+DELETE FROM nasiko_queue_job_errors
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_job_errors WHERE at < now() - $1::interval
+    ORDER BY at LIMIT $2));

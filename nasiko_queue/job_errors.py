@@ -1,0 +1,98 @@
+"""
+What an executor raised, kept per attempt (`nasiko_queue_job_errors`).
+
+`build_jobs.error_msg` keeps the fixed messages of docs/rules.md (the original's
+code reads them); the exception itself is kept here so that a failed job can be
+understood: its type, its message and a bounded traceback, for every crashed or
+timed-out attempt, with the worker that ran it. Secret values of the payload
+(its `Secret` fields, such as `env`) are masked in the message and the
+traceback before anything is stored or returned: an executor that puts a token
+in an exception message does not write it to the database.
+"""
+
+from __future__ import annotations
+
+import traceback as tb
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from uuid import UUID
+
+import attrs
+
+from ._sql import Q
+from .database import Database
+from .secrets import Secret
+
+#: Longest message kept, in characters.
+MAX_MESSAGE = 2_000
+#: Longest traceback kept, in characters: its end, where the innermost frames
+#: and the exception are.
+MAX_TRACEBACK = 8_000
+#: Secret values shorter than this are not masked (a one-letter value would
+#: blank every such letter of the traceback); real secrets are longer.
+MIN_MASKED = 4
+MASK = "********"
+
+
+@attrs.frozen(kw_only=True)
+class JobError:
+    """One crashed attempt's error."""
+
+    attempt: int
+    #: "crash" (the executor raised) or "timeout" (it ran past its limit).
+    reason: str
+    #: The exception's class, qualified by its module.
+    error_type: str
+    message: str
+    traceback: str
+    #: When it was kept, and by which worker (None outside a worker); set when read.
+    at: datetime | None = None
+    worker_id: UUID | None = None
+
+
+def secret_values(payload: object) -> list[str]:
+    """Every `Secret` value a payload holds (in fields or maps of them), to mask."""
+    found: list[str] = []
+    kind = type(payload)
+    if not attrs.has(kind):
+        return found
+    for field in attrs.fields(kind):
+        value = getattr(payload, field.name)
+        values: Iterable[object] = value.values() if isinstance(value, Mapping) else (value,)
+        found.extend(v.reveal() for v in values if isinstance(v, Secret))
+    return found
+
+
+def describe(exc: BaseException, *, attempt: int, reason: str,
+             secrets: Iterable[str] = ()) -> JobError:
+    """
+    The error to keep for `exc`. An exception group from the executor's nursery
+    that holds one exception is described by that one (what the executor raised).
+    """
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    masked = sorted((s for s in set(secrets) if len(s) >= MIN_MASKED), key=len, reverse=True)
+
+    def mask(text: str) -> str:
+        for secret in masked:
+            text = text.replace(secret, MASK)
+        return text
+
+    message = mask(str(exc))
+    trace = mask("".join(tb.format_exception(exc)))
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + f"… ({len(message) - MAX_MESSAGE} characters cut)"
+    if len(trace) > MAX_TRACEBACK:
+        trace = f"… ({len(trace) - MAX_TRACEBACK} characters cut)\n" + trace[-MAX_TRACEBACK:]
+    kind = type(exc)
+    return JobError(attempt=attempt, reason=reason,
+                    error_type=f"{kind.__module__}.{kind.__qualname__}",
+                    message=message, traceback=trace)
+
+
+async def job_errors(db: Database, job_id: UUID) -> list[JobError]:
+    """Every error kept for a job, oldest first (also after the job row is gone)."""
+    rows = await db.fetch(Q.job_errors_of, job_id)
+    return [JobError(attempt=r["attempt"], reason=r["reason"], error_type=r["error_type"],
+                     message=r["message"], traceback=r["traceback"], at=r["at"],
+                     worker_id=r["worker_id"]) for r in rows]
