@@ -82,6 +82,7 @@ class Queries:
     backend_end: str
     job_error_insert: str
     job_errors_of: str
+    job_show: str
     job_errors_prune: str
     backend_alive: str
     queue_notify: str

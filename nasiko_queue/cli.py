@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -44,6 +45,8 @@ from .demo import DemoReport, run_demo
 from .embedded import EmbeddedPostgres
 from .errors import ConfigurationError, NasikoQueueError, is_transient
 from .executors import Executors
+from .job_errors import JobError, job_errors
+from .job_view import JobView, job_view
 from .migrate import load_migrations, migrate
 from .payloads import McpServerUpload
 from .queue import Queue
@@ -519,6 +522,55 @@ def _duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m {secs:02d}s"
     return f"{seconds:.1f}s"
+
+
+# -- job --------------------------------------------------------------------------
+
+
+@main.command("job", short_help="Show one job: its row, payload and errors.")
+@click.argument("job_id", type=click.UUID)
+@dsn_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def job_command(job_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
+    """
+    Show the job JOB_ID: status, attempts, times, the worker holding it, its payload
+    (secret values masked) and the error of every crashed attempt, with its
+    traceback. Errors outlive a job deleted with its target: they are shown alone.
+    """
+    dsn = _require_dsn(dsn)
+
+    async def go() -> tuple[JobView | None, list[JobError]]:
+        async with open_database(dsn) as db:
+            view = await job_view(db, job_id)
+            return view, list(view.errors) if view else await job_errors(db, job_id)
+
+    view, errors = _run(dsn, go)
+    if view is None and not errors:
+        raise click.ClickException(f"no job {job_id} (and no errors kept for it)")
+    if as_json:
+        click.echo(json.dumps(view.to_json() if view else {
+            "id": str(job_id), "gone": True, "errors": [e.to_json() for e in errors]},
+            indent=2))
+        return
+    console = _wide_console()
+    if view is None:
+        console.print(f"job {job_id}: the row is gone (deleted with its target); "
+                      f"{len(errors)} error(s) kept")
+    else:
+        row = Table(title=f"job {job_id}", show_header=False)
+        row.add_column("field")
+        row.add_column("value")
+        for name in ("kind", "status", "attempt", "error_msg", "agent_id", "connector_id",
+                     "owner_id", "created_at", "picked_at", "completed_at", "claimed_by"):
+            value = getattr(view, name)
+            row.add_row(name, "-" if value is None else escape(str(value)))
+        console.print(row)
+        console.print(escape(json.dumps(view.payload, indent=2)))
+    for e in errors:
+        console.print(f"[bold]attempt {e.attempt}[/] {e.reason} at {e.at} "
+                      f"(worker {e.worker_id or '-'}): {escape(e.error_type)}: "
+                      f"{escape(e.message)}")
+        console.print(escape(e.traceback.rstrip()), style="dim")
 
 
 # -- prune ------------------------------------------------------------------------

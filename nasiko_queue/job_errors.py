@@ -15,6 +15,7 @@ from __future__ import annotations
 import traceback as tb
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 import attrs
@@ -48,6 +49,14 @@ class JobError:
     #: When it was kept, and by which worker (None outside a worker); set when read.
     at: datetime | None = None
     worker_id: UUID | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobError)}
+
+
+def plain_json(value: Any) -> Any:
+    """A JSON-ready value: ids and times as text."""
+    return str(value) if isinstance(value, UUID | datetime) else value
 
 
 def secret_values(payload: object) -> list[str]:

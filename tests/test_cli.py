@@ -644,3 +644,59 @@ def test_demo_without_dsn_uses_a_private_server(runner: CliRunner) -> None:
     assert result.stdout.startswith("Started a private PostgreSQL server at 127.0.0.1:")
     assert "All 13 scenarios ended as docs/rules.md says." in result.stdout
     assert result.stdout.rstrip().endswith("Removed the private PostgreSQL server.")
+
+
+# -- job -------------------------------------------------------------------------
+
+TOKEN = "tok-cli-8d2e4b7a"
+
+
+async def _crashed_jobs(db: Database) -> tuple[UUID, UUID]:
+    """Two jobs whose executor quotes its token and crashes three times: one keeps
+    its row (the agent had built before), one is deleted with its connector."""
+    from .conftest import MASTER_KEY
+    from .helpers import executors_for_all, running
+
+    async def refuse(ctx: Any) -> None:
+        raise RuntimeError(f"refused {ctx.payload.env['API_TOKEN'].reveal()}")
+
+    queue = Queue(db, config=FAST, secrets=MASTER_KEY)
+    kept = await enqueue_with_target(queue, "Upload", prior_success=True,
+                                     env={"API_TOKEN": TOKEN, "LOG_LEVEL": "info"})
+    gone = await enqueue_with_target(queue, "McpServerUpload", env={"API_TOKEN": TOKEN})
+    async with running(queue, executors_for_all(refuse)) as worker:
+        with trio.fail_after(20):
+            await worker.wait_for(lambda s: s.failed >= 2)
+    return kept.job_id, gone.job_id
+
+
+def test_job_shows_the_row_the_masked_payload_and_each_error(runner: CliRunner,
+                                                            dsn: str) -> None:
+    kept, gone = with_db(dsn, _crashed_jobs)
+    result = invoke(runner, "job", str(kept), "--dsn", dsn, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["kind"], data["status"], data["attempt"], data["error_msg"]) == (
+        "Upload", "failed", 3, "job panicked during execution")
+    assert data["payload"]["env"] == {"API_TOKEN": "********", "LOG_LEVEL": "********"}
+    assert data["payload"]["agent_id"] == data["agent_id"]  # the rest as stored
+    assert [(e["attempt"], e["reason"], e["error_type"], e["message"])
+            for e in data["errors"]] == [
+        (n, "crash", "builtins.RuntimeError", "refused ********") for n in (1, 2, 3)]
+
+    tables = invoke(runner, "job", str(kept), "--dsn", dsn)
+    assert tables.exit_code == 0, tables.output
+    assert "attempt 3" in tables.stdout
+    assert "refused ********" in tables.stdout
+    for output in (result.stdout, tables.stdout):
+        assert TOKEN not in output
+        assert "nq1:" not in output  # not even sealed
+
+    gone_out = invoke(runner, "job", str(gone), "--dsn", dsn)
+    assert gone_out.exit_code == 0, gone_out.output
+    assert "the row is gone (deleted with its target); 3 error(s) kept" in gone_out.stdout
+    assert TOKEN not in gone_out.stdout
+
+    missing = invoke(runner, "job", str(uuid.uuid4()), "--dsn", dsn)
+    assert missing.exit_code == 1
+    assert "no job" in missing.output

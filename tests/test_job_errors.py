@@ -133,3 +133,19 @@ def _uuid() -> Any:
     import uuid
 
     return uuid.uuid4()
+
+
+def test_a_shown_payload_masks_secret_fields_plaintext_or_sealed() -> None:
+    """`nasiko-queue job` shows payloads: a table shared with the original holds the
+    agent kinds' env in plaintext (seal_agent_env=False); it is masked all the same,
+    as is a sealed token in any field; nothing else changes."""
+    from nasiko_queue.job_view import mask_payload
+
+    stored = {"kind": "Upload", "name": "crawler", "ports": [8000],
+              "env": {"API_TOKEN": "plain-token", "LOG_LEVEL": "info"},
+              "note": "nq1:AAAA"}
+    assert mask_payload(stored) == {
+        "kind": "Upload", "name": "crawler", "ports": [8000],
+        "env": {"API_TOKEN": "********", "LOG_LEVEL": "********"}, "note": "********"}
+    assert mask_payload({"kind": "Unknown", "env": {"A": "kept"}}) == {
+        "kind": "Unknown", "env": {"A": "kept"}}

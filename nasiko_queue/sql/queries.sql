@@ -643,6 +643,14 @@ FROM nasiko_queue_job_errors
 WHERE job_id = $1
 ORDER BY at, id;
 
+-- name: job_show
+-- One job's row for `nasiko-queue job`, the payload as text (masked by the caller).
+SELECT id, payload ->> 'kind' AS kind, status::text AS status, attempt, error_msg, agent_id,
+       connector_id, owner_id, created_at, picked_at, completed_at, claimed_by,
+       payload::text AS payload
+FROM build_jobs
+WHERE id = $1;
+
 -- name: job_errors_prune
 -- Retention: errors kept longer than $1 (an interval), up to $2 at a time.
 DELETE FROM nasiko_queue_job_errors
