@@ -21,7 +21,7 @@ import attrs
 from ._sql import Q
 from .database import Database
 from .job_errors import MASK, JobError, job_errors, plain_json
-from .payloads import BUILTIN_PAYLOAD_TYPES, SEALED, Payload
+from .payloads import BUILTIN_PAYLOAD_TYPES, Payload, _sealed_fields
 from .secrets import is_sealed_token
 
 
@@ -58,7 +58,7 @@ def mask_payload(payload: Any, types: tuple[type[Payload], ...] = BUILTIN_PAYLOA
     if isinstance(payload, Mapping):
         for cls in types:
             if cls.kind == payload.get("kind"):
-                secret_fields = {f.name for f in attrs.fields(cls) if f.metadata.get(SEALED)}
+                secret_fields = {f.name for f in _sealed_fields(cls)}
 
     def mask(value: Any, secret: bool = False) -> Any:
         if isinstance(value, Mapping):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from typing import Any
 from uuid import UUID, uuid4
 
 from ._sql import Q
@@ -77,24 +78,8 @@ class Queue:
                 read back as a sealed one.
             ValueError: no owner could be determined.
         """
-        args = self._row(payload, owner_id)
-        channel = self.config.notify_channel
-        if tx is None:
-            # The insert and its NOTIFY in one statement: one crossing, one commit.
-            if channel is None:
-                job_id: UUID = await self.db.fetchval(Q.job_insert, *args)
-            else:
-                job_id = await self.db.fetchval(Q.job_insert_notify, *args, channel)
-            self.wake()
-        else:
-            # One NOTIFY per transaction: the first enqueue in `tx` sends it (delivered
-            # only if `tx` commits); later ones insert alone.
-            if channel is None or channel in tx._notified:
-                job_id = await tx.fetchval(Q.job_insert, *args)
-            else:
-                job_id = await tx.fetchval(Q.job_insert_notify, *args, channel)
-                tx._notified.add(channel)
-            tx.call_after_commit(self.wake)
+        job_id: UUID = await self._insert(Q.job_insert, Q.job_insert_notify,
+                                          self._row(payload, owner_id), tx)
         return job_id
 
     async def enqueue_many(
@@ -132,21 +117,33 @@ class Queue:
             return []
         ids = [uuid4() for _ in rows]
         columns = (ids, *([r[i] for r in rows] for i in range(4)))
+        await self._insert(Q.jobs_insert_many, Q.jobs_insert_many_notify, columns, tx)
+        return ids
+
+    async def _insert(self, plain: str, notifying: str, args: Sequence[object],
+                      tx: Transaction | None) -> Any:
+        """
+        Run an insert (`plain`), or its twin that also NOTIFYs (`notifying`, the
+        channel as its last argument) when this is the first insert of `tx` or
+        there is no `tx`: one NOTIFY per transaction, delivered only if it commits.
+        Wake the local workers after commit. Returns the statement's first value.
+        """
         channel = self.config.notify_channel
         if tx is None:
+            # The insert and its NOTIFY in one statement: one crossing, one commit.
             if channel is None:
-                await self.db.execute(Q.jobs_insert_many, *columns)
+                value = await self.db.fetchval(plain, *args)
             else:
-                await self.db.execute(Q.jobs_insert_many_notify, *columns, channel)
+                value = await self.db.fetchval(notifying, *args, channel)
             self.wake()
+            return value
+        if channel is None or channel in tx._notified:
+            value = await tx.fetchval(plain, *args)
         else:
-            if channel is None or channel in tx._notified:
-                await tx.execute(Q.jobs_insert_many, *columns)
-            else:
-                await tx.execute(Q.jobs_insert_many_notify, *columns, channel)
-                tx._notified.add(channel)
-            tx.call_after_commit(self.wake)
-        return ids
+            value = await tx.fetchval(notifying, *args, channel)
+            tx._notified.add(channel)
+        tx.call_after_commit(self.wake)
+        return value
 
     def _row(self, payload: Payload,
              owner_id: UUID | None) -> tuple[UUID | None, UUID | None, UUID, str]:
