@@ -4,15 +4,21 @@ nasiko-queue: a durable job queue for long, crash-prone jobs, on PostgreSQL and 
 General layout (each module is named for what it holds):
 
 * ``config``      the defaults of docs/rules.md §3 and `QueueConfig`
-* ``payloads``    the job payload types and their one wire converter
+* ``payloads``    the build job payload types and their one wire converter
+* ``job_args``    plain jobs: `JobArgs`, `JobOptions`, `Unique`, `Backoff`
 * ``secrets``     sealing of secret payload fields at rest
 * ``database``    asyncpg through trio-asyncio, one bridge crossing per operation
 * ``sql/queries.sql``  every statement, by name
 * ``migrate``     the migrator for ``migrations/``
 * ``queue``       `Queue.enqueue`
-* ``jobs``        the claim and every other transition of a job row
+* ``jobs``        the claim and every other transition of a build job row
+* ``plain_jobs``  the same for a queue of plain jobs (``nasiko_queue_jobs``)
 * ``terminalize`` driving a failed job's target to a terminal state
-* ``worker``      the worker loop: wake channel, timers, drains, executors
+* ``worker``      the supervisor: wake channel, timers, drains, its lanes
+* ``lane``        one source of jobs in a worker: producer, completer, slots
+* ``producer``, ``completer``, ``slots``  the parts of a lane
+* ``job_executor``, ``plain_executor``  each lane's steps for one job
+* ``heartbeat``, ``maintenance``, ``listener``  the worker's services
 * ``executors``   the registry of executors and what they receive
 * ``cli``         the ``nasiko-queue`` command; ``demo`` its demo
 * ``embedded``    a private PostgreSQL for the demo and the tests
@@ -33,6 +39,11 @@ from .errors import SecretDecryptError as SecretDecryptError
 from .errors import SecretsNotConfigured as SecretsNotConfigured
 from .executors import Executors as Executors
 from .executors import JobContext as JobContext
+from .executors import PlainJobContext as PlainJobContext
+from .job_args import Backoff as Backoff
+from .job_args import JobArgs as JobArgs
+from .job_args import JobOptions as JobOptions
+from .job_args import Unique as Unique
 from .job_errors import JobError as JobError
 from .job_errors import job_errors as job_errors
 from .jobs import JobStatus as JobStatus

@@ -96,6 +96,27 @@ class Queries:
     jobs_rescue: str
     workers_prune_dead: str
     workers_list: str
+    plain_insert: str
+    plain_insert_notify: str
+    plain_unique_holder: str
+    plain_insert_many: str
+    plain_insert_many_notify: str
+    plain_claim: str
+    plain_finish_many_and_claim: str
+    plain_retry: str
+    plain_end: str
+    plain_reset: str
+    plain_unclaim: str
+    plain_unclaim_lost: str
+    plain_next_due: str
+    plain_cancel: str
+    plain_cancels_held: str
+    plain_rescue: str
+    plain_prune: str
+    plain_get: str
+    deleted_build_jobs_prune: str
+    # -- dead-letter queue and job listings
+    # -- cron schedules
 
 
 def parse(text: str) -> dict[str, str]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from uuid import UUID
 
 from .errors import OutcomeUnknown
-from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, JobStore
+from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore
 from .retry import RetryPolicy
 from .state import Finish, WorkerState
 
@@ -41,7 +41,7 @@ class Completer:
             gives back what it took).
     """
 
-    def __init__(self, state: WorkerState, store: JobStore, retry: RetryPolicy,
+    def __init__(self, state: WorkerState, store: LaneStore, retry: RetryPolicy,
                  on_lost_claim: Callable[[ClaimOutcomeUnknown], None]) -> None:
         self.state = state
         self.store = store

@@ -8,6 +8,7 @@ number that docs/rules.md names.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -64,6 +65,27 @@ def _at_least_one(_inst: object, attribute: attrs.Attribute[int], value: int) ->
         raise ConfigurationError(f"{attribute.name} must be >= 1, got {value!r}")
 
 
+def _queues(
+    value: Mapping[str, int] | Iterable[tuple[str, int]] | None,
+) -> tuple[tuple[str, int], ...] | None:
+    """{"email": 5, ...} (or pairs) as sorted pairs, checked; None stays None."""
+    if value is None:
+        return None
+    pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+    seen: set[str] = set()
+    for name, limit in pairs:
+        if not isinstance(name, str) or not 0 < len(name) <= 128:
+            raise ConfigurationError(f"queues: a queue name is 1 to 128 characters, got "
+                                     f"{name!r}")
+        if name in seen:
+            raise ConfigurationError(f"queues: {name!r} is given twice")
+        seen.add(name)
+        if type(limit) is not int or limit < 1:
+            raise ConfigurationError(f"queues: the concurrency of {name!r} must be an "
+                                     f"integer >= 1, got {limit!r}")
+    return tuple(sorted(pairs))
+
+
 @attrs.frozen(kw_only=True)
 class QueueConfig:
     """
@@ -83,8 +105,16 @@ class QueueConfig:
     poll_interval: float = attrs.field(default=POLL_INTERVAL, validator=_positive)
     #: Seconds between recovery sweeps (first one this long after start).
     recovery_interval: float = attrs.field(default=RECOVERY_INTERVAL, validator=_positive)
-    #: Executors one worker runs at once. 1 is the original's behaviour.
+    #: Build jobs one worker runs at once. 1 is the original's behaviour. Also
+    #: the concurrency of each queue of plain jobs when `queues` is None.
     concurrency: int = attrs.field(default=1, validator=_at_least_one)
+    #: The queues of plain jobs this worker runs, and how many jobs of each at
+    #: once: ``{"default": 10, "email": 2}``. None: every queue that the
+    #: registered plain job types name in their `options`, `concurrency` each.
+    queues: tuple[tuple[str, int], ...] | None = attrs.field(default=None, converter=_queues)
+    #: Whether this worker runs build jobs (when build executors are
+    #: registered): off for a process that only runs plain queues.
+    builds: bool = True
     #: Jobs a worker may claim ahead of its free slots, into a local buffer, so
     #: that a slot whose job ends starts the next at once while the fetcher
     #: records the finish and claims more in one statement. 0 (the default, as

@@ -34,6 +34,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from uuid import UUID
 
 import trio
 
@@ -57,17 +58,21 @@ class HeartbeatService:
         on_fence: stops the worker's running jobs and drops its buffer.
         on_resume: called once the worker has registered anew after a fence.
         on_elected: called when the worker takes the leadership.
+        on_cancels: called with the plain jobs the worker runs whose cancel was
+            asked for, after every heartbeat that found some.
     """
 
     def __init__(self, state: WorkerState, store: JobStore, kinds: tuple[str, ...],
                  on_fence: Callable[[str], None], on_resume: Callable[[], None],
-                 on_elected: Callable[[], None] = lambda: None) -> None:
+                 on_elected: Callable[[], None] = lambda: None,
+                 on_cancels: Callable[[tuple[UUID, ...]], None] = lambda _ids: None) -> None:
         self.state = state
         self.store = store
         self.kinds = kinds
         self.on_fence = on_fence
         self.on_resume = on_resume
         self.on_elected = on_elected
+        self.on_cancels = on_cancels
         self.config: QueueConfig = state.config
         self.role = MAINTENANCE_ROLE if self.config.maintenance else None
         #: The worker's current identity (a new one after each fence).
@@ -153,6 +158,8 @@ class HeartbeatService:
             await self._resume(retire=True)
             return
         self._renewed(sent)
+        if beat.cancels:
+            self.on_cancels(beat.cancels)
         if beat.leader:
             state.leader_until = sent + self.config.lease - self.config.heartbeat_interval
             if not self._was_leader:

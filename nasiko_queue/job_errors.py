@@ -54,6 +54,14 @@ class JobError:
         return {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobError)}
 
 
+def one_line_error(error: JobError, limit: int = 500) -> str:
+    """The error as one line, for a row's `error_msg`: "Type: message", bounded."""
+    name = error.error_type.rpartition(".")[2] or error.error_type
+    first = error.message.splitlines()[0] if error.message else ""
+    line = f"{name}: {first}" if first else name
+    return line if len(line) <= limit else line[:limit] + "…"
+
+
 def plain_json(value: Any) -> Any:
     """A JSON-ready value: ids and times as text."""
     return str(value) if isinstance(value, UUID | datetime) else value

@@ -69,12 +69,14 @@ class JobStatus(enum.StrEnum):
 
 @attrs.frozen(kw_only=True)
 class ClaimedJob:
-    """A job this worker has just claimed, as the claim returned it."""
+    """A job this worker has just claimed, as the claim returned it: a build job
+    (`build_jobs`), or a plain job (`nasiko_queue_jobs`, with `queue` set)."""
 
     id: UUID
     agent_id: UUID | None
     connector_id: UUID | None
-    owner_id: UUID
+    #: The user who caused a build job; None for a plain job.
+    owner_id: UUID | None
     #: The payload column as JSON text; parsed by the worker, not by the claim.
     #: None when it is larger than `QueueConfig.max_payload_bytes` (written by
     #: another writer; enqueue refuses such payloads): the claim did not send it.
@@ -84,6 +86,16 @@ class ClaimedJob:
     created_at: datetime
     #: The target agent has `deleted_at` set (the job must not run).
     target_soft_deleted: bool = False
+    #: A plain job's queue, kind (its own column), runs allowed and priority.
+    queue: str | None = None
+    kind: str | None = None
+    max_attempts: int | None = None
+    priority: int = 0
+
+    @property
+    def order(self) -> tuple[int, datetime]:
+        """Where it goes in the local buffer: as the claim ordered it."""
+        return (self.priority, self.created_at)
 
     @property
     def attempt(self) -> int:
@@ -139,6 +151,8 @@ class Heartbeat:
     alive: bool
     #: It holds the role it asked for (the maintenance leadership).
     leader: bool
+    #: Plain jobs it runs whose cancel was asked for: stop them.
+    cancels: tuple[UUID, ...] = ()
 
 
 @attrs.frozen
@@ -163,18 +177,30 @@ class ClaimOutcomeUnknown(OutcomeUnknown):
         self.claim = claim
 
 
-class JobStore(Protocol):
-    """The worker's operations on the queue; see `PgJobStore` for the meaning of each."""
+class LaneStore(Protocol):
+    """
+    What one lane of a worker (its producer, completer and slots) does to its
+    jobs: `PgJobStore` for build jobs, `plain_jobs.PlainJobStore` for one queue
+    of plain jobs.
+    """
 
     async def claim(self, limit: int) -> list[ClaimedJob]: ...
 
     async def finish_many_and_claim(
-        self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
+        self, finishing: list[tuple[ClaimedJob, UUID | None]], limit: int
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]: ...
 
     async def resolve_lost_claim(self, claim: LostClaim) -> int: ...
 
     async def unclaim(self, jobs: list[ClaimedJob]) -> int: ...
+
+    async def reset(self, job: ClaimedJob) -> bool: ...
+
+    async def record_error(self, job: ClaimedJob, error: JobError) -> None: ...
+
+
+class JobStore(LaneStore, Protocol):
+    """The worker's operations on the queue; see `PgJobStore` for the meaning of each."""
 
     async def fail(
         self,
@@ -252,7 +278,7 @@ class PgJobStore:
         except OutcomeUnknown as exc:
             raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
         jobs = [ClaimedJob(**dict(row)) for row in rows]
-        jobs.sort(key=lambda j: j.created_at)
+        jobs.sort(key=lambda j: j.order)
         return jobs
 
     async def finish_from_build(self, job: ClaimedJob, build_id: UUID) -> JobStatus | None:
@@ -268,7 +294,7 @@ class PgJobStore:
         return statuses.get(job.id)
 
     async def finish_many_and_claim(
-        self, finishing: list[tuple[ClaimedJob, UUID]], limit: int
+        self, finishing: list[tuple[ClaimedJob, UUID | None]], limit: int
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
         """
         `finish_from_build` for every (job, build id) and `claim(limit)`, in one
@@ -313,7 +339,7 @@ class PgJobStore:
             else:
                 claimed.append(ClaimedJob(**{k: v for k, v in dict(row).items()
                                              if k not in ("finished_id", "finished_status")}))
-        claimed.sort(key=lambda j: j.created_at)
+        claimed.sort(key=lambda j: j.order)
         return statuses, claimed
 
     async def resolve_lost_claim(self, claim: LostClaim) -> int:
@@ -523,7 +549,8 @@ class PgJobStore:
         row = await self._db.run_bounded(
             lambda conn: conn.fetchrow(Q.worker_heartbeat, *args, timeout=self._bound),
             bound=self._bound, control=True)
-        return Heartbeat(alive=bool(row and row["alive"]), leader=bool(row and row["leader"]))
+        return Heartbeat(alive=bool(row and row["alive"]), leader=bool(row and row["leader"]),
+                         cancels=tuple(row["cancels"]) if row is not None else ())
 
     async def retire_worker(self) -> None:
         """Declare this worker dead (it stopped its jobs); the leader rescues them."""
@@ -581,6 +608,10 @@ class PgJobStore:
         row = await self._db.fetchrow(Q.jobs_rescue, self._config.max_attempts,
                                       self._config.notify_channel)
         rescued = int(row["rescued"]) if row is not None else 0
+        row = await self._db.fetchrow(Q.plain_rescue, self._config.notify_channel)
+        if row is not None:
+            rescued += int(row["rescued"])
+            failed += int(row["ended"])
         await self._db.execute(Q.workers_prune_dead, self._config.dead_worker_retention)
         if failed or rescued:
             log.warning("rescue: %d job(s) of dead workers back to pending, %d failed for "

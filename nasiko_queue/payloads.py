@@ -24,6 +24,7 @@ import attrs
 import cattrs
 
 from .errors import InvalidPayload, SecretDecryptError, SecretsNotConfigured
+from .job_args import JobArgs
 from .secrets import Secret, SecretBox, is_sealed_token
 
 __all__ = [
@@ -583,10 +584,14 @@ def _sealed_fields(cls: type) -> tuple["attrs.Attribute[Any]", ...]:
     return tuple(f for f in _attrs_fields(cls) if f.metadata.get(SEALED))
 
 
-def _check_type(cls: type[Payload]) -> None:
+#: A build payload or a plain job's arguments: what a codec encodes and decodes.
+AnyPayload = Payload | JobArgs
+
+
+def _check_type(cls: type[AnyPayload]) -> None:
     """Refuse, when registering, a type that cannot be encoded."""
-    if not (isinstance(cls, type) and issubclass(cls, Payload) and attrs.has(cls)):
-        raise TypeError(f"{cls!r} is not an attrs class deriving from Payload")
+    if not (isinstance(cls, type) and issubclass(cls, Payload | JobArgs) and attrs.has(cls)):
+        raise TypeError(f"{cls!r} is not an attrs class deriving from Payload or JobArgs")
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"{cls.__name__} has no `kind: ClassVar[str]`")
@@ -594,7 +599,7 @@ def _check_type(cls: type[Payload]) -> None:
     fields = attrs.fields_dict(cls)
     if "kind" in fields:
         raise TypeError(f"{cls.__name__} has a field named 'kind', which is the tag")
-    if "build_id" not in fields and not hasattr(cls, "build_id"):
+    if issubclass(cls, Payload) and "build_id" not in fields and not hasattr(cls, "build_id"):
         raise TypeError(f"{cls.__name__} has no build_id")
     for field in _sealed_fields(cls):
         args = get_args(field.type)
@@ -623,12 +628,12 @@ class PayloadCodec:
 
     def __init__(
         self,
-        types: Iterable[type[Payload]] = BUILTIN_PAYLOAD_TYPES,
+        types: Iterable[type[AnyPayload]] = BUILTIN_PAYLOAD_TYPES,
         secrets: SecretBox | None = None,
         *,
         seal_compat_fields: bool = True,
     ) -> None:
-        self._types: dict[str, type[Payload]] = {}
+        self._types: dict[str, type[AnyPayload]] = {}
         for cls in types:
             _check_type(cls)
             if cls.kind in self._types:
@@ -648,8 +653,9 @@ class PayloadCodec:
         """The tags this codec decodes."""
         return frozenset(self._types)
 
-    def encode(self, payload: Payload) -> dict[str, Any]:
-        """Return the wire dict of any `Payload`, registered or not, sealing secret fields."""
+    def encode(self, payload: AnyPayload) -> dict[str, Any]:
+        """Return the wire dict of any `Payload` or `JobArgs`, registered or not, sealing
+        secret fields."""
         cls = type(payload)
         _check_type(cls)
         out: dict[str, Any] = {"kind": cls.kind}
@@ -667,7 +673,7 @@ class PayloadCodec:
         return out
 
     def _seal(
-        self, payload: Payload, field: "attrs.Attribute[Any]", values: Mapping[str, Secret]
+        self, payload: AnyPayload, field: "attrs.Attribute[Any]", values: Mapping[str, Secret]
     ) -> dict[str, str]:
         if not values:
             return {}
@@ -689,6 +695,19 @@ class PayloadCodec:
         Raises `InvalidPayload` for a non-object, a missing or unknown ``kind``, a missing
         required field or a value of the wrong type. Unknown keys are ignored.
         """
+        payload = self._decode(data)
+        if not isinstance(payload, Payload):
+            raise InvalidPayload(f"{payload.kind} is a plain job, not a build payload")
+        return payload
+
+    def decode_args(self, data: object) -> JobArgs:
+        """`decode` for a plain job's arguments."""
+        args = self._decode(data)
+        if not isinstance(args, JobArgs):
+            raise InvalidPayload(f"{args.kind} is a build payload, not a plain job")
+        return args
+
+    def _decode(self, data: object) -> AnyPayload:
         if not isinstance(data, dict):
             raise InvalidPayload(f"job payload must be a JSON object, not {_json_type(data)}")
         if "kind" not in data:
@@ -717,7 +736,7 @@ class PayloadCodec:
             body[field.name] = {}
 
         try:
-            payload = converter.structure(body, cls)
+            payload: AnyPayload = converter.structure(body, cls)
         except Exception as exc:
             raise InvalidPayload(f"invalid {kind} payload: {_describe(exc)}") from None
         if sealed:
@@ -729,7 +748,7 @@ class PayloadCodec:
         return payload
 
     def _open(
-        self, payload: Payload, field: "attrs.Attribute[Any]", raw: Mapping[str, str]
+        self, payload: AnyPayload, field: "attrs.Attribute[Any]", raw: Mapping[str, str]
     ) -> dict[str, Secret]:
         owner = payload.secret_owner()
         plaintext_ok = bool(field.metadata.get(PLAINTEXT_COMPAT))
@@ -750,12 +769,12 @@ class PayloadCodec:
                     reason = "it does not decrypt"
             logger.warning(
                 "dropped secret %s.%s of %s payload (build %s): %s",
-                field.name, key, payload.kind, payload.build_id, reason,
+                field.name, key, payload.kind, getattr(payload, "build_id", None), reason,
             )  # fmt: skip
         return values
 
 
-def _plain(payload: Payload, field: str, values: Mapping[str, Secret]) -> dict[str, str]:
+def _plain(payload: AnyPayload, field: str, values: Mapping[str, Secret]) -> dict[str, str]:
     """A compat field written in plaintext, as the original worker writes it."""
     out = {key: value.reveal() for key, value in values.items()}
     for key, text in out.items():
@@ -769,7 +788,7 @@ def _plain(payload: Payload, field: str, values: Mapping[str, Secret]) -> dict[s
     return out
 
 
-def _no_key_message(payload: Payload, field: "attrs.Attribute[Any]") -> str:
+def _no_key_message(payload: AnyPayload, field: "attrs.Attribute[Any]") -> str:
     """What to do when a payload with secrets is encoded and no master key is configured."""
     message = (
         f"the {payload.kind} payload's '{field.name}' values are sealed at rest and no "

@@ -30,7 +30,7 @@ import trio
 
 from .completer import Completer
 from .errors import is_transient
-from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStore, LostClaim
+from .jobs import ClaimedJob, ClaimOutcomeUnknown, LaneStore, LostClaim
 from .retry import RetryPolicy, one_line
 from .state import STATEMENTS_IN_FLIGHT, Finish, WorkerState
 
@@ -49,7 +49,7 @@ class Producer:
         wake: asks the worker for another drain (jobs went back to pending).
     """
 
-    def __init__(self, state: WorkerState, store: JobStore, completer: Completer,
+    def __init__(self, state: WorkerState, store: LaneStore, completer: Completer,
                  retry: RetryPolicy, wake: Callable[[], None]) -> None:
         self.state = state
         self.store = store
@@ -103,7 +103,7 @@ class Producer:
         state.in_flight += 1
         state.reserved += want
         state.stats.statements += 1
-        return state.stats.drains_started
+        return state.drain_id
 
     def _done(self, want: int) -> None:
         self.state.in_flight -= 1
@@ -121,7 +121,7 @@ class Producer:
         try:
             claimed = await self.claim(want)
             if claimed is None:
-                if drain == self.state.stats.drains_started:
+                if drain == self.state.drain_id:
                     self.state.end_drain()  # logged; the next wake or poll tries again
             else:
                 self._accept(claimed, want, drain)
@@ -154,15 +154,15 @@ class Producer:
         not have seen the job that caused it.
         """
         state = self.state
-        if wanted and len(claimed) < wanted and drain == state.stats.drains_started:
+        if wanted and len(claimed) < wanted and drain == state.drain_id:
             state.end_drain()
         if not claimed:
             return
         now = trio.current_time()
-        if state.buffer and claimed[0].created_at < state.buffer[-1][0].created_at:
+        if state.buffer and claimed[0].order < state.buffer[-1][0].order:
             # Two statements in flight returned out of order: oldest job first still.
             merged = sorted([*state.buffer, *((job, now) for job in claimed)],
-                            key=lambda entry: entry[0].created_at)
+                            key=lambda entry: entry[0].order)
             state.buffer = collections.deque(merged)
         else:
             state.buffer.extend((job, now) for job in claimed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -21,8 +22,13 @@ from ._sql import Q
 from .config import QueueConfig
 from .database import Database, Transaction
 from .errors import PayloadTooLarge
+from .job_args import JobArgs, JobOptions, Unique
 from .payloads import Payload, PayloadCodec
 from .secrets import SecretBox
+
+#: Inserts a unique enqueue tries while the job holding its key keeps ending
+#: between the insert and the look-up of its id.
+UNIQUE_TRIES = 5
 
 
 class Queue:
@@ -53,22 +59,34 @@ class Queue:
 
     async def enqueue(
         self,
-        payload: Payload,
+        payload: Payload | JobArgs,
         *,
         tx: Transaction | None = None,
         owner_id: UUID | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        options: JobOptions | None = None,
+        unique: Unique | None = None,
     ) -> UUID:
         """
         Add a job; return its id.
 
         Args:
-            payload: any `Payload`, built-in or registered by the application.
+            payload: a build `Payload` (built-in or registered by the
+                application), or a plain job's `JobArgs`.
             tx: a transaction from `db.transaction()`. The job is inserted in it
                 and the worker is woken only once it commits; if it rolls back,
                 the job never existed.
-            owner_id: `build_jobs.owner_id`. Defaults to the payload's own owner
-                (the caller for Update and Rollback); required for payloads that
-                carry none (StandaloneBuild).
+            owner_id: build jobs: `build_jobs.owner_id`. Defaults to the
+                payload's own owner (the caller for Update and Rollback);
+                required for payloads that carry none (StandaloneBuild).
+            run_at, delay: plain jobs: not claimable before this time (aware
+                datetime), or before this many seconds from now on the
+                database's clock. A worker running the queue wakes when it is due.
+            options: plain jobs: the queue, priority, attempts and uniqueness,
+                instead of the type's `options`.
+            unique: plain jobs: enqueue only if no job holds this key in one of
+                its states; else insert nothing and return that job's id.
 
         Raises:
             PayloadTooLarge: the encoded payload exceeds `max_payload_bytes`.
@@ -76,15 +94,89 @@ class Queue:
                 `env`) and no key was given.
             InvalidPayload: with `seal_agent_env` off, an env value that would
                 read back as a sealed one.
-            ValueError: no owner could be determined.
+            ValueError: no owner could be determined; a schedule, options or a
+                unique key for a build job; a naive `run_at`.
         """
+        if isinstance(payload, JobArgs):
+            return await self._enqueue_plain(payload, tx, run_at, delay, options, unique)
+        if run_at is not None or delay is not None or options is not None or unique is not None:
+            raise ValueError(
+                f"{payload.kind} is a build job: it runs as soon as a worker is free, in the "
+                "order enqueued, in build_jobs (which the original worker's claim shares, and "
+                "would take a scheduled row at once); run_at, delay, options and unique are "
+                "for plain jobs (JobArgs)")
         job_id: UUID = await self._insert(Q.job_insert, Q.job_insert_notify,
                                           self._row(payload, owner_id), tx)
         return job_id
 
+    async def _enqueue_plain(self, args: JobArgs, tx: Transaction | None,
+                             run_at: datetime | None, delay: float | timedelta | None,
+                             options: JobOptions | None, unique: Unique | None) -> UUID:
+        opts = options or type(args).options
+        if unique is None:
+            unique = opts.unique
+        if unique is None:
+            key = args.unique_key()
+            unique = Unique(key) if key else None
+        job_id = uuid4()
+        row = (job_id, *self._plain_row(args, opts, run_at, delay),
+               None if unique is None else unique.key,
+               None if unique is None else sorted(unique.states))
+        # A unique job that meets its key inserts nothing: return the holder's id.
+        # Between the two statements the holder may end; then insert again.
+        for _ in range(UNIQUE_TRIES):
+            inserted = await self._insert(Q.plain_insert, Q.plain_insert_notify, row, tx)
+            if inserted is not None:
+                return job_id
+            assert unique is not None
+            holder = await (tx or self.db).fetchval(Q.plain_unique_holder, unique.key)
+            if holder is not None:
+                holder_id: UUID = holder
+                return holder_id
+        raise RuntimeError(f"unique key {row[-2]!r}: the job holding it kept changing; "
+                           f"tried {UNIQUE_TRIES} times")
+
+    def _plain_row(self, args: JobArgs, opts: JobOptions, run_at: datetime | None,
+                   delay: float | timedelta | None) -> tuple[object, ...]:
+        """A plain job's queue, kind, payload, priority, attempts, run_at and delay."""
+        if run_at is not None and delay is not None:
+            raise ValueError("give run_at or delay, not both")
+        if run_at is not None and run_at.tzinfo is None:
+            raise ValueError("run_at must be an aware datetime (with a tzinfo), e.g. "
+                             "datetime.now(timezone.utc) + timedelta(minutes=5)")
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay or 0)
+        if seconds < 0:
+            raise ValueError(f"delay must not be negative, got {delay!r}")
+        text = self._encoded(args)
+        return (opts.queue, args.kind, text, opts.priority, opts.max_attempts, run_at, seconds)
+
+    def _encoded(self, payload: Payload | JobArgs) -> str:
+        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
+        size = len(text.encode("utf-8"))
+        if size > self.config.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"{payload.kind} payload is {size} bytes; the limit is "
+                f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
+            )
+        return text
+
+    async def cancel(self, job_id: UUID) -> str | None:
+        """
+        Cancel a plain job. A waiting (or scheduled) job ends `cancelled` at
+        once; a running one is asked to stop: the worker that runs it cancels
+        its executor at its next heartbeat (within `heartbeat_interval`) and the
+        job ends `cancelled`. Returns "cancelled", "cancelling", the state of a
+        job that had already ended (nothing changes), or None: no such job.
+
+        Build jobs cannot be cancelled (docs/rules.md has no such state: their
+        targets' rules decide how they end); their ids return None.
+        """
+        state: str | None = await self.db.fetchval(Q.plain_cancel, job_id)
+        return state
+
     async def enqueue_many(
         self,
-        payloads: Sequence[Payload],
+        payloads: Sequence[Payload | JobArgs],
         *,
         tx: Transaction | None = None,
         owner_id: UUID | None = None,
@@ -94,31 +186,59 @@ class Queue:
 
         Every payload is encoded and checked before anything is sent, so a bad
         one refuses the whole batch (its index is in the message) and inserts
-        nothing. The jobs are claimed in the order given. One NOTIFY per
-        transaction, as for `enqueue`; with `tx`, they commit or vanish with it.
+        nothing. The jobs are claimed in the order given (within a queue and a
+        priority, for plain jobs). One NOTIFY per transaction, as for `enqueue`;
+        with `tx`, they commit or vanish with it. Build payloads and plain jobs
+        may be mixed (one statement for each); plain jobs take their type's
+        `options`, and unique ones must be enqueued one by one.
 
         Args:
-            payloads: built-in or registered `Payload`s, of any mix of kinds.
+            payloads: build `Payload`s or plain `JobArgs`, of any mix of kinds.
             tx: as for `enqueue`.
-            owner_id: the owner of every payload that names none of its own.
+            owner_id: the owner of every build payload that names none of its own.
 
         Raises:
             As `enqueue`, for the first payload that fails, with its index.
         """
-        rows = []
+        rows: list[tuple[UUID | None, UUID | None, UUID, str]] = []
+        plain: list[tuple[object, ...]] = []
+        order: list[bool] = []
         for index, payload in enumerate(payloads):
             try:
-                rows.append(self._row(payload, owner_id))
+                if isinstance(payload, JobArgs):
+                    opts = type(payload).options
+                    if opts.unique is not None or payload.unique_key():
+                        raise ValueError(f"{payload.kind} jobs are unique: enqueue them one "
+                                         "by one (enqueue), so that each learns its job id")
+                    plain.append(self._plain_row(payload, opts, None, None))
+                else:
+                    rows.append(self._row(payload, owner_id))
+                order.append(isinstance(payload, JobArgs))
             except Exception as exc:
                 exc.add_note(f"payload {index} of the {len(payloads)} given to enqueue_many; "
                              "nothing was enqueued")
                 raise
-        if not rows:
-            return []
-        ids = [uuid4() for _ in rows]
-        columns = (ids, *([r[i] for r in rows] for i in range(4)))
-        await self._insert(Q.jobs_insert_many, Q.jobs_insert_many_notify, columns, tx)
-        return ids
+        build_ids = [uuid4() for _ in rows]
+        plain_ids = [uuid4() for _ in plain]
+        if tx is None and rows and plain:
+            # Both statements or neither.
+            async with self.db.transaction() as both:
+                await self._insert_many(rows, build_ids, plain, plain_ids, both)
+        else:
+            await self._insert_many(rows, build_ids, plain, plain_ids, tx)
+        build_iter, plain_iter = iter(build_ids), iter(plain_ids)
+        return [next(plain_iter) if is_plain else next(build_iter) for is_plain in order]
+
+    async def _insert_many(self, rows: list[tuple[UUID | None, UUID | None, UUID, str]],
+                           build_ids: list[UUID], plain: list[tuple[object, ...]],
+                           plain_ids: list[UUID], tx: Transaction | None) -> None:
+        if rows:
+            columns = (build_ids, *([r[i] for r in rows] for i in range(4)))
+            await self._insert(Q.jobs_insert_many, Q.jobs_insert_many_notify, columns, tx)
+        if plain:
+            plain_columns = (plain_ids, *([r[i] for r in plain] for i in range(7)))
+            await self._insert(Q.plain_insert_many, Q.plain_insert_many_notify,
+                               plain_columns, tx)
 
     async def _insert(self, plain: str, notifying: str, args: Sequence[object],
                       tx: Transaction | None) -> Any:
@@ -153,13 +273,7 @@ class Queue:
             raise ValueError(
                 f"a {payload.kind} payload names no owner; pass enqueue(..., owner_id=<user id>)"
             )
-        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
-        size = len(text.encode("utf-8"))
-        if size > self.config.max_payload_bytes:
-            raise PayloadTooLarge(
-                f"{payload.kind} payload is {size} bytes; the limit is "
-                f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
-            )
+        text = self._encoded(payload)
         target = payload.target()
         return (target.agent_id, target.connector_id, owner, text)
 

@@ -51,8 +51,10 @@ def parse_duration(text: str) -> timedelta:
 
 async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZE) -> int:
     """
-    Delete done/failed jobs completed more than `older_than` ago; return how many.
-    Errors kept of crashed attempts older than that go too.
+    Delete done/failed build jobs, and completed/discarded/cancelled plain jobs,
+    that ended more than `older_than` ago; return how many. Errors kept of
+    crashed attempts, and copies of failed build jobs deleted with their target,
+    older than that go too.
 
     Loops over batches of at most `batch_size` rows, each its own statement (and
     transaction), until a batch comes back short. Ages are measured on the
@@ -64,17 +66,17 @@ async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZ
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     total = 0
-    while True:
-        status = await db.execute(Q.jobs_prune, older_than, batch_size)
-        deleted = int(status.split()[-1])  # "DELETE <n>"
-        total += deleted
-        if deleted < batch_size:
-            break
-    # The errors kept of crashed attempts (0009) go at the same age.
-    while True:
-        status = await db.execute(Q.job_errors_prune, older_than, batch_size)
-        if int(status.split()[-1]) < batch_size:
-            break
+    # Build jobs and plain jobs count; the errors kept of crashed attempts
+    # (0009) and the copies of deleted failed build jobs (0010) go at the same age.
+    for statement, counted in ((Q.jobs_prune, True), (Q.plain_prune, True),
+                               (Q.job_errors_prune, False),
+                               (Q.deleted_build_jobs_prune, False)):
+        while True:
+            status = await db.execute(statement, older_than, batch_size)
+            deleted = int(status.split()[-1])  # "DELETE <n>"
+            total += deleted if counted else 0
+            if deleted < batch_size:
+                break
     if total:
         log.info("pruned %d finished jobs older than %s", total, older_than)
     return total

@@ -94,6 +94,10 @@ class WorkerStats:
     rescued: int = 0
     #: Runs cancelled at their run-time limit (each counts as a crash).
     timed_out: int = 0
+    #: Plain jobs whose run crashed and that wait for their backoff to run again.
+    retried: int = 0
+    #: Plain jobs stopped while running at a cancel's request.
+    cancelled: int = 0
     _changed_lot: trio.lowlevel.ParkingLot | None = attrs.field(
         default=None, repr=False, eq=False, alias="_changed_lot")
 
@@ -103,7 +107,8 @@ class Finish:
     """A slot's executor returned: the completer records the outcome from the build row."""
 
     job: ClaimedJob
-    build_id: UUID
+    #: The build row that decides a build job's outcome; None for a plain job.
+    build_id: UUID | None
     #: "<kind> <label>", computed by the slot: the completer runs no code of the
     #: payload type's, so a bug there cannot take it down.
     label: str
@@ -167,10 +172,34 @@ class WorkerState:
     #: claim (job id, attempt): two runs of one job may overlap in one worker
     #: for a moment (a crashed run's reset commits, another slot claims it).
     job_scopes: dict[tuple[UUID, int], trio.CancelScope] = attrs.Factory(dict)
+    #: Claims whose run was asked to stop (a cancel of a plain job): their scope
+    #: in `job_scopes` is cancelled, and the run ends `cancelled`.
+    cancels: set[tuple[UUID, int]] = attrs.Factory(set)
+
+    #: Jobs in this lane's slots now (`stats.running` counts every lane's).
+    running: int = 0
+    #: The drain under way (or last run) in this lane: a claim sent during an
+    #: earlier drain must not end the current one.
+    drain_id: int = 0
+    #: Trio time at which this lane's next scheduled job is due (plain lanes);
+    #: the drain loop wakes then, not at its next poll.
+    next_due: float = float("inf")
 
     def __attrs_post_init__(self) -> None:
         self.stats = WorkerStats(_changed_lot=self.changed)
         self.drain_ended.set()
+
+    def lane(self, config: QueueConfig) -> WorkerState:
+        """
+        The state of another lane of the same worker (one queue of plain jobs):
+        its own buffer, slots, statements and drains, under `config`; this
+        state's counters, signals and `stopping`.
+        """
+        lane = WorkerState(config)
+        lane.stats = self.stats
+        lane.changed = self.changed
+        lane.stopping = self.stopping
+        return lane
 
     # -- signals ---------------------------------------------------------------
 
@@ -194,7 +223,7 @@ class WorkerState:
         return not self.drain_ended.is_set()
 
     def begin_drain(self) -> None:
-        self.stats.drains_started += 1
+        self.drain_id += 1
         self.drain_ended = trio.Event()
         self.kick()
 
@@ -227,7 +256,7 @@ class WorkerState:
         capacity = self.config.concurrency
         if not self.prefetch_paused:
             capacity += self.config.prefetch
-        return max(0, capacity - len(self.buffer) - self.stats.running - self.reserved)
+        return max(0, capacity - len(self.buffer) - self.running - self.reserved)
 
     def claim_size(self) -> int:
         """The next statement's claim: the room left; with several slots, at most

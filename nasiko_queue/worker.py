@@ -44,7 +44,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import Any
+from uuid import UUID
 
+import attrs
 import trio
 
 from .completer import Completer
@@ -53,7 +56,8 @@ from .errors import is_transient
 from .executors import Executors
 from .heartbeat import HeartbeatService
 from .job_executor import JobExecutor
-from .jobs import ClaimOutcomeUnknown, JobStore, PgJobStore
+from .jobs import JobStore, LaneStore, PgJobStore
+from .lane import Lane
 from .listener import Listener
 from .maintenance import (
     JobRescuer,
@@ -62,10 +66,13 @@ from .maintenance import (
     StuckJobSweeper,
     SweeperConfig,
 )
-from .payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
+from .payloads import BUILTIN_PAYLOAD_TYPES, AnyPayload, PayloadCodec
+from .plain_executor import PlainJobExecutor
+from .plain_jobs import PlainJobStore
 from .producer import Producer
 from .queue import Queue
 from .retry import RetryPolicy, one_line
+from .slots import Slots
 from .state import WorkerState, WorkerStats
 
 __all__ = ["Worker", "WorkerStats"]
@@ -102,38 +109,74 @@ class Worker:
         self.queue = queue
         self.config: QueueConfig = queue.config
         self.executors = executors
-        types = {t.kind: t for t in BUILTIN_PAYLOAD_TYPES}
+        types: dict[str, type[AnyPayload]] = {t.kind: t for t in BUILTIN_PAYLOAD_TYPES}
         types.update({t.kind: t for t in executors.payload_types})
+        build_kinds = frozenset(types) | self.config.other_kinds
+        types.update({t.kind: t for t in executors.plain_types})
         self._store: JobStore = store or PgJobStore(
             queue.db,
             self.config,
             runnable_kinds=executors.kinds,
-            known_kinds=frozenset(types) | self.config.other_kinds,
+            known_kinds=build_kinds,
         )
         self._wake_send, self._wake_recv = trio.open_memory_channel[None](
             self.config.wake_capacity
         )
         self.state = WorkerState(self.config)
         self.stats: WorkerStats = self.state.stats
-        retry = RetryPolicy(self.config)
-        self.completer = Completer(self.state, self._store, retry,
-                                   on_lost_claim=self._lost_claim)
-        self.producer = Producer(self.state, self._store, self.completer, retry, self.wake)
-        self.executor = JobExecutor(
-            self.state, self._store, queue, executors,
-            PayloadCodec(types=types.values(), secrets=queue.secrets),
-            self.completer, retry, self.wake)
+        self._retry = RetryPolicy(self.config)
+        self._codec = PayloadCodec(types=types.values(), secrets=queue.secrets)
+        #: The lanes it runs: the build jobs (if it has build executors), then one
+        #: per queue of plain jobs.
+        self.lanes: list[Lane] = []
+        if executors.kinds and self.config.builds:
+            self.lanes.append(self._lane("builds", self.state, self._store, JobExecutor))
+        for name, concurrency in self._queues():
+            lane_state = self.state.lane(attrs.evolve(self.config, concurrency=concurrency))
+            plain = PlainJobStore(queue.db, self.config, name, self._worker_id)
+            self.lanes.append(self._lane(name, lane_state, plain, PlainJobExecutor))
+        if not self.lanes:
+            raise ValueError("this worker has nothing to run: its build executors are off "
+                             "(QueueConfig.builds) and it has no queue of plain jobs")
+        first = self.lanes[0]
+        # The first lane's parts, for tests and tools that look at one.
+        self.producer, self.completer, self.executor = (first.producer, first.completer,
+                                                        first.executor)
         self.rescuer = JobRescuer(RescuerConfig.of(self.config), self._store, self.state,
                                   on_rescued=self.wake)
         self.heartbeat = HeartbeatService(self.state, self._store,
-                                          tuple(sorted(executors.kinds)),
+                                          tuple(sorted(executors)),
                                           on_fence=self._fence, on_resume=self._resume,
-                                          on_elected=self.rescuer.kick)
+                                          on_elected=self.rescuer.kick,
+                                          on_cancels=self._cancel_running)
         self.sweeper = StuckJobSweeper(SweeperConfig.of(self.config), self._store,
                                        self.stats, on_swept=self.wake,
                                        leading=self.state.is_leader)
         self.pruner = Pruner(queue.db, self.config.retention, self.stats)
         self._started = False
+
+    def _worker_id(self) -> UUID | None:
+        worker_id: UUID | None = getattr(self._store, "worker_id", None)
+        return worker_id
+
+    def _queues(self) -> tuple[tuple[str, int], ...]:
+        """The plain queues this worker runs: configured, or those its types name."""
+        if self.config.queues is not None:
+            return self.config.queues
+        names = sorted({t.options.queue for t in self.executors.plain_types})
+        return tuple((name, self.config.concurrency) for name in names)
+
+    def _lane(self, name: str, state: WorkerState, store: LaneStore,
+              pipeline: type[Slots[Any]]) -> Lane:
+        lane: Lane
+        completer = Completer(state, store, self._retry,
+                              on_lost_claim=lambda exc: lane.lost_claim(exc))
+        producer = Producer(state, store, completer, self._retry, self.wake)
+        executor = pipeline(state, store, self.queue, self.executors, self._codec, completer,
+                            self._retry, self.wake)
+        lane = Lane(name=name, state=state, store=store, producer=producer,
+                    completer=completer, executor=executor)
+        return lane
 
     @property
     def is_leader(self) -> bool:
@@ -142,23 +185,34 @@ class Worker:
 
     def _resume(self) -> None:
         """Registered anew after a fence: claim again, at once."""
-        self.state.kick()
+        for lane in self.lanes:
+            lane.state.fenced = False
+            lane.state.kick()
         self.wake()
 
     def _fence(self, _why: str) -> None:
         """The worker lost its lease: stop every running job, drop what is buffered
         (the leader gives it back with the rest), claim nothing until registered anew."""
-        state = self.state
-        self.executor.fence()
-        dropped = len(state.buffer)
-        state.buffer.clear()
-        state.stats.buffered -= dropped
-        state.end_drain()
-        state.kick()
-        state.notify()
+        for lane in self.lanes:
+            state = lane.state
+            state.fenced = True
+            lane.executor.fence()
+            dropped = len(state.buffer)
+            state.buffer.clear()
+            state.stats.buffered -= dropped
+            state.end_drain()
+            state.kick()
+        self.state.notify()
 
-    def _lost_claim(self, exc: ClaimOutcomeUnknown) -> None:
-        self.producer.lost(exc)
+    def _cancel_running(self, ids: tuple[UUID, ...]) -> None:
+        """The heartbeat found cancel requests for plain jobs this worker runs:
+        stop their executors; their runs end `cancelled`."""
+        wanted = set(ids)
+        for lane in self.lanes:
+            for claim, scope in lane.state.job_scopes.items():
+                if claim[0] in wanted and claim not in lane.state.cancels:
+                    lane.state.cancels.add(claim)
+                    scope.cancel()
 
     # -- signals -----------------------------------------------------------
 
@@ -178,8 +232,9 @@ class Worker:
         """Graceful stop: claim nothing more, let running executors finish, return."""
         self.state.stopping.set()
         self._wake_send.close()
-        self.state.end_drain()
-        self.state.kick()
+        for lane in self.lanes:
+            lane.state.end_drain()
+            lane.state.kick()
 
     async def drain_once(self) -> None:
         """
@@ -193,7 +248,8 @@ class Worker:
         state = self.state
         target = self.stats.drains_started + 1
         self.wake()
-        while not (self.stats.drains_completed >= target and state.idle()):
+        while not (self.stats.drains_completed >= target
+                   and all(lane.state.idle() for lane in self.lanes) and state.idle()):
             if state.stopping.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await state.changed.park()
@@ -236,15 +292,18 @@ class Worker:
                     listener = Listener(self.queue.db, channel, state, self.wake)
                     await timers.start(listener.run)
                 async with trio.open_nursery() as work:
-                    work.start_soon(self.producer.run, name="producer")
-                    for n in range(self.config.concurrency):
-                        work.start_soon(self.executor.run_slot, name=f"slot {n}")
+                    for lane in self.lanes:
+                        lane.start(work)
                     task_status.started()
-                    log.info("worker started (kinds: %s)", ", ".join(sorted(self.executors)))
+                    log.info("worker started (kinds: %s; lanes: %s)",
+                             ", ".join(sorted(self.executors)),
+                             ", ".join(f"{lane.name}={lane.state.config.concurrency}"
+                                       for lane in self.lanes))
                     try:
                         await self._drain_loop()
                     finally:
-                        state.close()
+                        for lane in self.lanes:
+                            lane.state.close()
                 # Every slot has returned and the producer has had their outcomes
                 # recorded; the timers have nothing left to guard.
                 timers.cancel_scope.cancel()
@@ -270,7 +329,10 @@ class Worker:
             await self._drain()
             if stopping.is_set():
                 return
-            with trio.move_on_after(self.config.poll_interval):
+            # The poll, or sooner when a lane's next scheduled job is due.
+            wake_at = min([trio.current_time() + self.config.poll_interval,
+                           *(lane.state.next_due for lane in self.lanes)])
+            with trio.move_on_at(wake_at):
                 try:
                     await self._wake_recv.receive()
                 except trio.EndOfChannel:
@@ -288,16 +350,21 @@ class Worker:
             self.state.woken = False  # the drain below answers every wake so far
 
     async def _drain(self) -> None:
-        """Have the producer claim until a claim comes back short (or fails)."""
-        state = self.state
-        state.begin_drain()
+        """Have every lane's producer claim until a claim comes back short (or fails)."""
+        self.stats.drains_started += 1
+        for lane in self.lanes:
+            lane.state.begin_drain()
         try:
-            if not state.stopping.is_set():
-                await state.drain_ended.wait()
+            if not self.state.stopping.is_set():
+                for lane in self.lanes:
+                    await lane.state.drain_ended.wait()
+                for lane in self.lanes:
+                    await lane.refresh_due()
         finally:
-            state.end_drain()
+            for lane in self.lanes:
+                lane.state.end_drain()
             self.stats.drains_completed += 1
-            state.notify()
+            self.state.notify()
 
     async def _startup_recovery(self) -> bool:
         """

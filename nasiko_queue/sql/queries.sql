@@ -314,7 +314,8 @@ SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
 -- name: testing_truncate_all
 -- Start a state-machine example from an empty queue.
 TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors,
-         nasiko_queue_workers, nasiko_queue_leaders;
+         nasiko_queue_workers, nasiko_queue_leaders, nasiko_queue_jobs,
+         nasiko_queue_deleted_build_jobs, nasiko_queue_job_errors, nasiko_queue_schedules;
 
 -- name: testing_worker_expire
 -- A worker ($1) stops heartbeating for a minute (longer than any test lease): its
@@ -385,14 +386,26 @@ ORDER BY n;
 -- jobs by completion time (0007), and deleted by primary key (an id array, as
 -- in job_claim: a join back to the table was planned as a scan of all of it).
 -- Small batches keep each transaction (and its locks and WAL burst) short; the
--- caller loops until a batch comes back short.
+-- caller loops until a batch comes back short. The flag set first (local to the
+-- statement's transaction) tells the trigger of 0010 that these deletes are
+-- retention's, not a target's cascade: failed rows are not copied aside.
 DELETE FROM build_jobs
 WHERE id = ANY (ARRAY(
     SELECT id
     FROM build_jobs
     WHERE status IN ('done', 'failed') AND completed_at < now() - $1::interval
     LIMIT $2
-    FOR UPDATE SKIP LOCKED));
+    FOR UPDATE SKIP LOCKED))
+  AND (SELECT set_config('nasiko_queue.pruning', 'on', true)) = 'on';
+
+-- name: deleted_build_jobs_prune
+-- Retention of the copies of failed build jobs deleted with their target: up to
+-- $2 copied more than $1 (an interval) ago.
+DELETE FROM nasiko_queue_deleted_build_jobs
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_deleted_build_jobs
+    WHERE deleted_at < now() - $1::interval
+    LIMIT $2));
 
 -- name: jobs_finish_many_and_claim
 -- Finish jobs and claim what their slots (and the prefetch buffer) have room
@@ -518,7 +531,8 @@ VALUES ($1, $2, $3, $4, $5);
 -- role for $3 seconds: held while renewed before it expires, taken when it has
 -- expired (or was never held). `alive` is false when the row is gone or was
 -- declared dead (its jobs were rescued): the worker must stop them and
--- register anew. `leader` says whether it holds the role now.
+-- register anew. `leader` says whether it holds the role now; `cancels`, the
+-- plain jobs it runs whose cancel was asked for.
 WITH beat AS (
     UPDATE nasiko_queue_workers SET heartbeat_at = now()
     WHERE id = $1 AND dead_at IS NULL
@@ -533,7 +547,11 @@ WITH beat AS (
     WHERE l.worker_id = excluded.worker_id OR l.expires_at < now()
     RETURNING l.worker_id
 )
-SELECT EXISTS (SELECT 1 FROM beat) AS alive, EXISTS (SELECT 1 FROM lead) AS leader;
+SELECT EXISTS (SELECT 1 FROM beat) AS alive, EXISTS (SELECT 1 FROM lead) AS leader,
+       -- The plain jobs it runs that were asked to stop (nasiko_queue_jobs_running).
+       ARRAY(SELECT j.id FROM nasiko_queue_jobs AS j
+             WHERE j.claimed_by = $1 AND j.state = 'running' AND j.cancel_requested)
+           AS cancels;
 
 -- name: worker_deregister
 -- A worker stops ($1): any role it held is released at once, and its row goes,
@@ -543,7 +561,9 @@ WITH roles AS (
     DELETE FROM nasiko_queue_leaders WHERE worker_id = $1
 ), held AS (
     SELECT EXISTS (SELECT 1 FROM build_jobs
-                   WHERE claimed_by = $1 AND status = 'in_progress') AS holds
+                   WHERE claimed_by = $1 AND status = 'in_progress')
+        OR EXISTS (SELECT 1 FROM nasiko_queue_jobs
+                   WHERE claimed_by = $1 AND state = 'running') AS holds
 ), gone AS (
     DELETE FROM nasiko_queue_workers
     WHERE id = $1 AND NOT (SELECT holds FROM held)
@@ -610,7 +630,9 @@ FROM rescued;
 DELETE FROM nasiko_queue_workers AS w
 WHERE w.dead_at < now() - make_interval(secs => $1)
   AND NOT EXISTS (SELECT 1 FROM build_jobs AS j
-                  WHERE j.claimed_by = w.id AND j.status = 'in_progress');
+                  WHERE j.claimed_by = w.id AND j.status = 'in_progress')
+  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_jobs AS p
+                  WHERE p.claimed_by = w.id AND p.state = 'running');
 
 -- name: workers_list
 -- `status`: every registered worker, live or dead, and whether it leads.
@@ -657,3 +679,254 @@ DELETE FROM nasiko_queue_job_errors
 WHERE id = ANY (ARRAY(
     SELECT id FROM nasiko_queue_job_errors WHERE at < now() - $1::interval
     ORDER BY at LIMIT $2));
+
+-- ============================================================================
+-- Plain jobs (nasiko_queue_jobs, migration 0010): queues, priorities, schedules,
+-- retries with backoff, unique keys, cancellation. build_jobs is not touched.
+
+-- name: plain_insert
+-- Enqueue one plain job: $1 id, $2 queue, $3 kind, $4 payload, $5 priority, $6
+-- max_attempts, $7 run_at (NULL: now() + $8 seconds), $9 unique key (NULL: not
+-- unique), $10 the states it is unique within. A unique job that meets one of its
+-- key in one of those states inserts nothing and returns no row.
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                               unique_key, unique_states)
+VALUES ($1, $2, $3, $4::jsonb, $5, $6,
+        coalesce($7::timestamptz, now() + make_interval(secs => $8::double precision)),
+        $9, $10::text[])
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+DO NOTHING
+RETURNING id;
+
+-- name: plain_insert_notify
+-- `plain_insert` and a NOTIFY on channel $11 in one statement (once per transaction).
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                               unique_key, unique_states)
+SELECT $1, $2, $3, $4::jsonb, $5, $6,
+       coalesce($7::timestamptz, now() + make_interval(secs => $8::double precision)),
+       $9, $10::text[]
+FROM (SELECT pg_notify($11::text, '')) AS notify
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+DO NOTHING
+RETURNING id;
+
+-- name: plain_unique_holder
+-- The job that holds unique key $1 now (a unique enqueue that inserted nothing
+-- returns its id). Run as a statement of its own, after the insert: its snapshot
+-- then sees the row the insert's conflict check waited for.
+SELECT id FROM nasiko_queue_jobs
+WHERE unique_key = $1 AND state = ANY (unique_states)
+LIMIT 1;
+
+-- name: plain_insert_many
+-- A batch of plain jobs without unique keys in one statement: $1 ids, $2 queues,
+-- $3 kinds, $4 payloads, $5 priorities, $6 max_attempts, $7 run_at (NULL: the
+-- clock per row, so that the batch is claimed in the order given, + $8 delays).
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at)
+SELECT i, q, k, p::jsonb, pr, m,
+       coalesce(r, clock_timestamp() + make_interval(secs => d))
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+            $7::timestamptz[], $8::double precision[])
+     WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, n)
+ORDER BY n;
+
+-- name: plain_insert_many_notify
+-- `plain_insert_many` and a NOTIFY on channel $9, in one statement.
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at)
+SELECT i, q, k, p::jsonb, pr, m,
+       coalesce(r, clock_timestamp() + make_interval(secs => d))
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+            $7::timestamptz[], $8::double precision[])
+     WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, n),
+     (SELECT pg_notify($9::text, '')) AS notify
+ORDER BY n;
+
+-- name: plain_claim
+-- Take up to $2 available jobs of queue $1 that are due, by priority then due
+-- time (one index scan: nasiko_queue_jobs_claim), marked with claim token $3 and
+-- worker $4. A payload over $5 bytes comes back NULL (fails as invalid, unsent).
+UPDATE nasiko_queue_jobs AS j
+SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
+    claim_token = $3, claimed_by = $4
+WHERE j.id = ANY (ARRAY(
+    SELECT id
+    FROM nasiko_queue_jobs
+    WHERE state = 'available' AND queue = $1 AND run_at <= now()
+    ORDER BY priority, run_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED))
+RETURNING j.id, j.kind,
+          CASE WHEN octet_length(j.payload::text) <= $5 THEN j.payload::text END AS payload,
+          j.attempt - 1 AS old_attempt, j.max_attempts, j.priority, j.run_at AS created_at;
+
+-- name: plain_finish_many_and_claim
+-- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
+-- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
+-- worker, $7 payload bound), in one round trip. Rows with finished_id report a
+-- finish ('completed', or NULL when no longer ours); rows with id are claims.
+WITH finished AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET state = 'completed', finished_at = now(), error_msg = NULL
+    FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
+    WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt
+    RETURNING j.id, j.state
+), claimed AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
+        claim_token = $5, claimed_by = $6
+    WHERE j.id = ANY (ARRAY(  -- as in plain_claim
+        SELECT id
+        FROM nasiko_queue_jobs
+        WHERE state = 'available' AND queue = $3 AND run_at <= now()
+        ORDER BY priority, run_at, id
+        LIMIT $4
+        FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.kind,
+              CASE WHEN octet_length(j.payload::text) <= $7 THEN j.payload::text END AS payload,
+              j.attempt - 1 AS old_attempt, j.max_attempts, j.priority, j.run_at AS created_at
+)
+SELECT i.id AS finished_id,
+       coalesce(f.state, (SELECT c.state FROM nasiko_queue_jobs AS c
+                          WHERE c.id = i.id AND c.attempt = i.attempt
+                            AND c.state = 'completed')) AS finished_status,
+       NULL::uuid AS id, NULL::text AS kind, NULL::text AS payload, NULL::int AS old_attempt,
+       NULL::int AS max_attempts, NULL::smallint AS priority, NULL::timestamptz AS created_at
+FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt) LEFT JOIN finished AS f ON f.id = i.id
+UNION ALL
+SELECT NULL, NULL, c.id, c.kind, c.payload, c.old_attempt, c.max_attempts, c.priority,
+       c.created_at
+FROM claimed AS c;
+
+-- name: plain_retry
+-- Run $2 of job $1 crashed (raised, timed out, or no executor here): available
+-- again in $3 seconds, or discarded when it was the last attempt; $4 the error,
+-- one line. Returns the state written (no row: no longer ours).
+UPDATE nasiko_queue_jobs
+SET state = CASE WHEN attempt >= max_attempts THEN 'discarded' ELSE 'available' END,
+    run_at = CASE WHEN attempt >= max_attempts THEN run_at
+                  ELSE now() + make_interval(secs => $3::double precision) END,
+    finished_at = CASE WHEN attempt >= max_attempts THEN now() END,
+    claimed_by = CASE WHEN attempt >= max_attempts THEN claimed_by END,
+    claim_token = NULL,
+    error_msg = $4
+WHERE id = $1 AND attempt = $2 AND state = 'running'
+RETURNING state;
+
+-- name: plain_end
+-- Run $2 of job $1 ends for good in state $3 ('discarded': its payload is not
+-- one, or it is past its attempts; 'cancelled': stopped at a cancel's request),
+-- with error $4.
+UPDATE nasiko_queue_jobs
+SET state = $3, finished_at = now(), claim_token = NULL, error_msg = $4
+WHERE id = $1 AND attempt = $2 AND state = 'running'
+RETURNING state;
+
+-- name: plain_reset
+-- A hard stop or the fence cut run $2 of job $1: available again at once, the
+-- attempt counted.
+UPDATE nasiko_queue_jobs
+SET state = 'available', claimed_by = NULL, claim_token = NULL
+WHERE id = $1 AND attempt = $2 AND state = 'running';
+
+-- name: plain_unclaim
+-- Claimed jobs that never started ($1 ids, $2 attempts): available again, the
+-- attempt restored.
+UPDATE nasiko_queue_jobs AS j
+SET state = 'available', attempt = j.attempt - 1, claimed_by = NULL, claim_token = NULL
+FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
+WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt;
+
+-- name: plain_unclaim_lost
+-- What a claim whose answer was lost took (token $1): available again, the
+-- attempt restored. Returns how many.
+WITH given AS (
+    UPDATE nasiko_queue_jobs
+    SET state = 'available', attempt = attempt - 1, claimed_by = NULL, claim_token = NULL
+    WHERE claim_token = $1 AND state = 'running'
+    RETURNING id
+)
+SELECT count(*) FROM given;
+
+-- name: plain_next_due
+-- Seconds until the next scheduled job of queue $1 is due (NULL: none).
+SELECT extract(epoch FROM min(run_at) - now())::double precision
+FROM nasiko_queue_jobs
+WHERE state = 'available' AND queue = $1 AND run_at > now();
+
+-- name: plain_cancel
+-- Cancel job $1: a waiting job ends `cancelled` now; a running one is asked to
+-- stop (its worker sees the flag at its next heartbeat). Returns 'cancelled',
+-- 'cancelling', or the state of a job that had already ended; no row: no such
+-- job. A NOTIFY on $2 (when not NULL) wakes workers.
+WITH waiting AS (
+    UPDATE nasiko_queue_jobs
+    SET state = 'cancelled', finished_at = now(), error_msg = 'cancelled'
+    WHERE id = $1 AND state = 'available'
+    RETURNING 'cancelled'::text AS state
+), running AS (
+    UPDATE nasiko_queue_jobs SET cancel_requested = true
+    WHERE id = $1 AND state = 'running'
+    RETURNING 'cancelling'::text AS state
+)
+SELECT state FROM waiting
+UNION ALL SELECT state FROM running
+UNION ALL SELECT state FROM nasiko_queue_jobs
+          WHERE id = $1 AND state NOT IN ('available', 'running');
+
+-- name: plain_cancels_held
+-- The running jobs worker $1 holds that were asked to stop: (id, attempt).
+SELECT id, attempt FROM nasiko_queue_jobs
+WHERE claimed_by = $1 AND state = 'running' AND cancel_requested;
+
+-- name: plain_rescue
+-- Running jobs held by dead workers, claimed before the worker's lease ended:
+-- available again (the attempt counted), or discarded when that was their last
+-- attempt, or cancelled when a cancel was asked for. NOTIFY on $1 (not NULL).
+WITH rescued AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET state = CASE WHEN j.cancel_requested THEN 'cancelled'
+                     WHEN j.attempt >= j.max_attempts THEN 'discarded'
+                     ELSE 'available' END,
+        finished_at = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
+                           THEN now() END,
+        error_msg = CASE WHEN j.cancel_requested THEN 'cancelled'
+                         ELSE 'the worker running it died' END,
+        claimed_by = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
+                          THEN j.claimed_by END,
+        claim_token = NULL
+    FROM nasiko_queue_workers AS w
+    WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL AND j.state = 'running'
+      AND j.attempted_at <= least(w.dead_at,
+                                  w.heartbeat_at + make_interval(secs => w.lease_secs))
+    RETURNING j.state
+)
+SELECT count(*) FILTER (WHERE state = 'available') AS rescued,
+       count(*) FILTER (WHERE state <> 'available') AS ended,
+       CASE WHEN count(*) FILTER (WHERE state = 'available') > 0 AND $1::text IS NOT NULL
+            THEN pg_notify($1, '') END AS notified
+FROM rescued;
+
+-- name: plain_prune
+-- Retention: delete up to $2 plain jobs that ended (completed, discarded,
+-- cancelled) more than $1 (an interval) ago. Their kept errors go by age with
+-- the build jobs' (`job_errors_prune`).
+DELETE FROM nasiko_queue_jobs
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_jobs
+    WHERE state IN ('completed', 'discarded', 'cancelled')
+      AND finished_at < now() - $1::interval
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED));
+
+-- name: plain_get
+-- One plain job, for tools and tests.
+SELECT id, queue, kind, payload::text AS payload, state, priority, attempt, max_attempts,
+       run_at, created_at, attempted_at, finished_at, claimed_by, cancel_requested,
+       error_msg, unique_key
+FROM nasiko_queue_jobs WHERE id = $1;
+
+-- ============================================================================
+-- Dead-letter queue and job listings (the `jobs` API and CLI).
+
+-- ============================================================================
+-- Cron schedules (nasiko_queue_schedules, migration 0010).

@@ -1,0 +1,392 @@
+"""
+Plain jobs (issue #11): no target, named queues with their own concurrency,
+priority, schedules, retries with backoff, unique keys and cancellation; in a
+table of their own, which the original worker's claim never sees.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import trio
+
+from nasiko_queue import (
+    Backoff,
+    Update,
+    Executors,
+    JobArgs,
+    JobOptions,
+    PlainJobContext,
+    Queue,
+    QueueConfig,
+    Unique,
+    Worker,
+    job_errors,
+)
+from nasiko_queue.database import Database
+
+from .conftest import FAST
+from .helpers import TEST_DEADLINE, running
+
+
+@attrs.frozen(kw_only=True)
+class SendEmail(JobArgs):
+    kind: ClassVar[str] = "send_email"
+    options: ClassVar[JobOptions] = JobOptions(queue="email", max_attempts=3)
+    to: str
+    subject: str = "hello"
+
+
+@attrs.frozen(kw_only=True)
+class Step(JobArgs):
+    kind: ClassVar[str] = "workflow_step"
+    n: int
+
+
+async def plain_row(db: Database, job_id: Any) -> Any:
+    return await db.fetchrow(
+        "SELECT state, attempt, queue, priority, error_msg, run_at, finished_at, claimed_by "
+        "FROM nasiko_queue_jobs WHERE id = $1", job_id)
+
+
+def no_backoff(_attempt: int) -> float:
+    return 0.0
+
+
+async def test_a_plain_job_runs_and_its_return_means_done(queue: Queue) -> None:
+    seen: list[PlainJobContext[SendEmail]] = []
+    executors = Executors()
+
+    @executors.register(SendEmail)
+    async def send(ctx: PlainJobContext[SendEmail]) -> None:
+        seen.append(ctx)
+
+    job_id = await queue.enqueue(SendEmail(to="a@example.com"))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1)
+    [ctx] = seen
+    assert (ctx.job_id, ctx.attempt, ctx.max_attempts, ctx.queue) == (job_id, 1, 3, "email")
+    assert ctx.payload == SendEmail(to="a@example.com")
+    row = await plain_row(queue.db, job_id)
+    assert (row["state"], row["attempt"], row["error_msg"]) == ("completed", 1, None)
+    assert row["finished_at"] is not None
+    # No build row, no build_jobs row.
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+
+
+async def test_an_exception_retries_after_the_backoff_and_the_last_one_discards(
+    queue: Queue,
+) -> None:
+    executors = Executors()
+    delays: list[int] = []
+
+    def backoff(attempt: int) -> float:
+        delays.append(attempt)
+        return 0.0
+
+    @executors.register(SendEmail, backoff=backoff)
+    async def send(ctx: PlainJobContext[SendEmail]) -> None:
+        raise ConnectionError(f"smtp refused on attempt {ctx.attempt}")
+
+    job_id = await queue.enqueue(SendEmail(to="b@example.com"))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.failed >= 1)
+        assert worker.stats.retried == 2
+    row = await plain_row(queue.db, job_id)
+    assert (row["state"], row["attempt"]) == ("discarded", 3)
+    assert row["error_msg"] == "ConnectionError: smtp refused on attempt 3"
+    # The backoff is asked after each crash that leaves attempts (1, 2); the
+    # last one discards.
+    assert delays[:2] == [1, 2]
+    errors = await job_errors(queue.db, job_id)
+    assert [(e.attempt, e.error_type) for e in errors] == [
+        (n, "builtins.ConnectionError") for n in (1, 2, 3)]
+
+
+async def test_a_crashed_job_waits_for_its_backoff(queue: Queue) -> None:
+    executors = Executors()
+    runs = 0
+
+    @executors.register(SendEmail, backoff=lambda attempt: 3600.0)
+    async def send(ctx: PlainJobContext[SendEmail]) -> None:
+        nonlocal runs
+        runs += 1
+        raise RuntimeError("down")
+
+    job_id = await queue.enqueue(SendEmail(to="c@example.com"))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.retried >= 1)
+            await worker.drain_once()
+    assert runs == 1
+    row = await plain_row(queue.db, job_id)
+    assert row["state"] == "available"
+    wait = await queue.db.fetchval(
+        "SELECT extract(epoch FROM run_at - now()) FROM nasiko_queue_jobs WHERE id = $1", job_id)
+    assert 3000 < wait <= 3600 * 1.1
+
+
+def test_the_default_backoff_grows_and_is_capped() -> None:
+    backoff = Backoff(jitter=0)
+    assert [backoff(n) for n in (1, 2, 3, 4, 5)] == [16, 31, 96, 271, 640]
+    assert backoff(100) == 86_400
+    jittered = Backoff()
+    assert all(16 * 0.9 <= jittered(1) <= 16 * 1.1 for _ in range(100))
+
+
+async def test_priority_then_due_time_orders_the_claim(queue: Queue) -> None:
+    order: list[int] = []
+    executors = Executors()
+
+    @executors.register(Step)
+    async def step(ctx: PlainJobContext[Step]) -> None:
+        order.append(ctx.payload.n)
+
+    for n, priority in [(1, 5), (2, 0), (3, 5), (4, -1), (5, 0)]:
+        await queue.enqueue(Step(n=n), options=JobOptions(priority=priority))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 5)
+    assert order == [4, 2, 5, 1, 3]
+
+
+async def test_each_queue_runs_at_most_its_concurrency_and_only_its_own_jobs(
+    db: Database,
+) -> None:
+    config = attrs.evolve(FAST, queues={"email": 2, "default": 1})
+    queue = Queue(db, config=config)
+    running_now = {"email": 0, "default": 0}
+    peak = {"email": 0, "default": 0}
+    release = trio.Event()
+    executors = Executors()
+
+    async def hold(ctx: Any) -> None:
+        running_now[ctx.queue] += 1
+        peak[ctx.queue] = max(peak[ctx.queue], running_now[ctx.queue])
+        await release.wait()
+        running_now[ctx.queue] -= 1
+
+    executors.register(SendEmail, hold)
+    executors.register(Step, hold)
+    for n in range(5):
+        await queue.enqueue(SendEmail(to=f"{n}@example.com"))
+        await queue.enqueue(Step(n=n))
+    # A queue this worker does not run: never claimed.
+    other = await queue.enqueue(Step(n=99), options=JobOptions(queue="reports"))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.running == 3)
+            release.set()
+            await worker.wait_for(lambda s: s.done >= 10)
+    assert peak == {"email": 2, "default": 1}
+    assert (await plain_row(db, other))["state"] == "available"
+
+
+async def test_a_scheduled_job_is_not_claimed_early_and_wakes_the_worker_when_due(
+    db: Database,
+) -> None:
+    # The poll is an hour: only the wake for the due job can run it in time.
+    queue = Queue(db, config=attrs.evolve(FAST, poll_interval=3600.0))
+    ran_at: list[float] = []
+    executors = Executors()
+
+    @executors.register(Step)
+    async def step(ctx: PlainJobContext[Step]) -> None:
+        ran_at.append(trio.current_time())
+
+    async with running(queue, executors) as worker:
+        later = await queue.enqueue(Step(n=1), run_at=datetime.now(UTC) + timedelta(hours=1))
+        await queue.enqueue(Step(n=2), delay=0.5)
+        enqueued = trio.current_time()
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1)
+    assert ran_at[0] - enqueued >= 0.45
+    assert len(ran_at) == 1
+    assert (await plain_row(db, later))["state"] == "available"
+
+
+async def test_run_at_must_be_aware_and_build_jobs_take_no_schedule(queue: Queue) -> None:
+    with pytest.raises(ValueError, match="aware"):
+        await queue.enqueue(Step(n=1), run_at=datetime(2030, 1, 1))  # noqa: DTZ001
+    with pytest.raises(ValueError, match="run_at or delay"):
+        await queue.enqueue(Step(n=1), run_at=datetime.now(UTC), delay=1)
+    from uuid import uuid4
+
+    from nasiko_queue.testing import make_payload
+    build = make_payload("Update", target_id=uuid4(), build_id=uuid4(), owner_id=uuid4())
+    with pytest.raises(ValueError, match="build job"):
+        await queue.enqueue(build, delay=5)
+
+
+async def test_a_unique_enqueue_returns_the_existing_job(queue: Queue) -> None:
+    first = await queue.enqueue(Step(n=1), unique=Unique("report:2026-12-01"))
+    again = await queue.enqueue(Step(n=2), unique=Unique("report:2026-12-01"))
+    other = await queue.enqueue(Step(n=3), unique=Unique("report:2026-12-02"))
+    assert again == first
+    assert other != first
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 2
+
+
+async def test_concurrent_unique_enqueues_insert_one_job(queue: Queue) -> None:
+    ids: list[Any] = []
+
+    async def enqueue() -> None:
+        ids.append(await queue.enqueue(Step(n=0), unique=Unique("once")))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(enqueue)
+    assert len(set(ids)) == 1
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 1
+
+
+async def test_a_unique_key_frees_once_its_job_leaves_the_unique_states(queue: Queue) -> None:
+    executors = Executors()
+    executors.register(Step, _noop)
+    first = await queue.enqueue(Step(n=1), unique=Unique("k"))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1)
+    second = await queue.enqueue(Step(n=2), unique=Unique("k"))
+    assert second != first
+    # Unique among completed ones too: a third is the completed first... or the second.
+    ever = await queue.enqueue(Step(n=3), unique=Unique(
+        "k", states={"available", "running", "completed"}))
+    assert ever in (first, second)
+
+
+async def _noop(_ctx: Any) -> None:
+    return None
+
+
+async def test_cancel_a_waiting_job_and_a_running_one(queue: Queue) -> None:
+    started = trio.Event()
+    executors = Executors()
+    stopped: list[bool] = []
+
+    @executors.register(Step)
+    async def step(ctx: PlainJobContext[Step]) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopped.append(True)
+
+    waiting = await queue.enqueue(Step(n=1), delay=3600)
+    assert await queue.cancel(waiting) == "cancelled"
+    assert (await plain_row(queue.db, waiting))["state"] == "cancelled"
+    assert await queue.cancel(waiting) == "cancelled"  # no change, its state
+    assert await queue.cancel(waiting.__class__(int=1)) is None
+
+    job = await queue.enqueue(Step(n=2))
+    config = attrs.evolve(FAST, heartbeat_interval=0.2, lease=1.0)
+    fast_queue = Queue(queue.db, config=config)
+    async with running(fast_queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await started.wait()
+            assert await queue.cancel(job) == "cancelling"
+            await worker.wait_for(lambda s: s.cancelled >= 1)
+    assert stopped == [True]
+    row = await plain_row(queue.db, job)
+    assert (row["state"], row["error_msg"]) == ("cancelled", "cancelled")
+
+
+async def test_an_invalid_payload_is_discarded_and_the_worker_goes_on(queue: Queue) -> None:
+    executors = Executors()
+    executors.register(Step, _noop)
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, max_attempts) "
+        "VALUES (gen_random_uuid(), 'default', 'workflow_step', "
+        "'{\"kind\": \"workflow_step\", \"n\": \"not a number\"}', 5)")
+    good = await queue.enqueue(Step(n=1))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1 and s.failed >= 1)
+    states = sorted(r["state"] for r in await queue.db.fetch(
+        "SELECT state FROM nasiko_queue_jobs"))
+    assert states == ["completed", "discarded"]
+    assert (await plain_row(queue.db, good))["state"] == "completed"
+    assert await queue.db.fetchval(
+        "SELECT error_msg FROM nasiko_queue_jobs WHERE state = 'discarded'") == \
+        "invalid job payload"
+
+
+async def test_a_kind_without_an_executor_here_is_retried_not_lost(queue: Queue) -> None:
+    executors = Executors()
+    executors.register(SendEmail, _noop)  # runs queue "email" only
+    config = attrs.evolve(FAST, queues={"default": 1})
+    q = Queue(queue.db, config=config)
+    job = await q.enqueue(Step(n=1))
+    async with running(q, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.retried >= 1)
+    row = await plain_row(queue.db, job)
+    assert (row["state"], row["attempt"]) == ("available", 1)
+    assert "no executor for kind 'workflow_step'" in row["error_msg"]
+
+
+async def test_enqueue_many_plain_and_build_jobs_in_one_call(queue: Queue) -> None:
+    from nasiko_queue.testing import enqueue_with_target
+    build = await enqueue_with_target(queue, "Update")
+    ids = await queue.enqueue_many([Step(n=n) for n in range(100)] + [build.payload])
+    assert len(ids) == 101
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 100
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 2
+    order = [r["id"] for r in await queue.db.fetch(
+        "SELECT id FROM nasiko_queue_jobs ORDER BY priority, run_at, id")]
+    assert order == ids[:100]
+
+
+async def test_a_worker_with_only_plain_queues_claims_no_build_job(queue: Queue) -> None:
+    from nasiko_queue.testing import enqueue_with_target
+    build = await enqueue_with_target(queue, "Update")
+    executors = Executors()
+    executors.register(Step, _noop)
+    await queue.enqueue(Step(n=1))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1)
+            await worker.drain_once()
+    assert await queue.db.fetchval("SELECT status FROM build_jobs WHERE id = $1",
+                                   build.job_id) == "pending"
+
+
+def test_a_worker_needs_a_lane() -> None:
+    executors = Executors()
+    executors.register(Update, _noop)
+    with pytest.raises(ValueError, match="nothing to run"):
+        Worker(Queue(None, config=QueueConfig(builds=False)), executors)  # type: ignore[arg-type]
+
+
+async def test_the_originals_claim_never_takes_a_plain_or_scheduled_job(queue: Queue) -> None:
+    """The original Rust worker's claim (reference §5.1), verbatim, beside jobs of
+    every new feature: it takes the one build job and nothing else, ever."""
+    from nasiko_queue.testing import enqueue_with_target
+    await queue.enqueue(Step(n=1), delay=3600)                      # scheduled
+    await queue.enqueue(Step(n=2), options=JobOptions(priority=-5))  # priority
+    await queue.enqueue(Step(n=3), unique=Unique("u"))              # unique
+    await queue.enqueue_many([SendEmail(to="x@example.com")] * 3)   # a batch, another queue
+    build = await enqueue_with_target(queue, "Update")
+
+    async def original_claim(conn: Any) -> Any:
+        async with conn.transaction():
+            row = await conn.fetchrow(
+                "SELECT id, agent_id, connector_id, payload, attempt FROM build_jobs "
+                "WHERE status='pending' ORDER BY created_at FOR UPDATE SKIP LOCKED LIMIT 1")
+            if row is not None:
+                await conn.execute(
+                    "UPDATE build_jobs SET status = 'in_progress', picked_at = now(), "
+                    "attempt = attempt + 1 WHERE id = $1", row["id"])
+            return row
+
+    first = await queue.db.run(original_claim)
+    assert first is not None
+    assert first["id"] == build.job_id
+    assert await queue.db.run(original_claim) is None
+    assert await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs WHERE state = 'available'") == 6
