@@ -15,7 +15,6 @@ import trio
 
 from nasiko_queue import (
     Backoff,
-    Update,
     Executors,
     JobArgs,
     JobOptions,
@@ -23,6 +22,7 @@ from nasiko_queue import (
     Queue,
     QueueConfig,
     Unique,
+    Update,
     Worker,
     job_errors,
 )
@@ -212,7 +212,7 @@ async def test_a_scheduled_job_is_not_claimed_early_and_wakes_the_worker_when_du
 
 async def test_run_at_must_be_aware_and_build_jobs_take_no_schedule(queue: Queue) -> None:
     with pytest.raises(ValueError, match="aware"):
-        await queue.enqueue(Step(n=1), run_at=datetime(2030, 1, 1))  # noqa: DTZ001
+        await queue.enqueue(Step(n=1), run_at=datetime(2030, 1, 1))
     with pytest.raises(ValueError, match="run_at or delay"):
         await queue.enqueue(Step(n=1), run_at=datetime.now(UTC), delay=1)
     from uuid import uuid4
