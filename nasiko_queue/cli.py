@@ -378,7 +378,18 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
 @click.option("--executors", "executors_spec", required=True, metavar="MODULE:ATTRIBUTE",
               help="Where the Executors registry is, e.g. myapp.jobs:executors.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Jobs run at once by this process.")
+              envvar="NASIKO_QUEUE_CONCURRENCY", show_envvar=True,
+              help="Build jobs run at once by this process; also the concurrency of each "
+                   "queue of --queues that names none.")
+@click.option("--queues", "queues_spec", metavar="NAME[=N],...", default=None,
+              envvar="NASIKO_QUEUE_QUEUES", show_envvar=True,
+              help="The queues of plain jobs this process runs, each with how many jobs at "
+                   "once, e.g. 'default=10,email=2'. Default: every queue the registered "
+                   "plain job types name, --concurrency each. 'none': no plain jobs.")
+@click.option("--builds/--no-builds", default=True, show_default=True,
+              envvar="NASIKO_QUEUE_BUILDS", show_envvar=True,
+              help="Whether this process runs build jobs (when build executors are "
+                   "registered).")
 @click.option("--prefetch", type=click.IntRange(min=0), default=0, show_default=True,
               help="Jobs claimed ahead of the free slots, for throughput on short jobs. "
                    "A stop gives unstarted ones back with their attempt restored.")
@@ -404,6 +415,7 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
               default=QueueConfig().rescue_interval, show_default=True,
               help="Seconds between the leader's rescues of dead workers' jobs.")
 @click.option("--maintenance/--no-maintenance", default=True, show_default=True,
+              envvar="NASIKO_QUEUE_MAINTENANCE", show_envvar=True,
               help="Whether this worker stands for the maintenance leadership (rescue, "
                    "the stuck sweep, retention).")
 @click.option("--job-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -414,6 +426,8 @@ def worker_command(
     dsn: str | None,
     executors_spec: str,
     concurrency: int,
+    queues_spec: str | None,
+    builds: bool,
     prefetch: int,
     poll_interval: float,
     stuck_job_mins: int,
@@ -436,11 +450,25 @@ def worker_command(
 
     The secrets master key, needed to run McpServerUpload jobs with env values,
     is read from NASIKO_QUEUE_MASTER_KEY (base64; see `nasiko-queue keygen`).
+
+    Roles: by default one process runs everything its executors cover (the
+    build jobs, every queue, maintenance). To scale them apart, run several
+    with --queues, --no-builds and --no-maintenance (or the environment
+    variables shown), e.g. one for builds and maintenance and one for
+    `--no-builds --no-maintenance --queues email=20`.
     """
     dsn = _require_dsn(dsn)
+    queues = parse_queues(queues_spec, concurrency)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     executors = load_executors(executors_spec)
+    runs_builds = builds and bool(executors.kinds)
+    runs_queues = bool(queues) if queues is not None else bool(executors.plain_types)
+    if not (runs_builds or runs_queues):
+        raise click.UsageError(
+            "this worker would run nothing: "
+            + ("--no-builds, and " if executors.kinds else "no build executors, and ")
+            + ("no queue (--queues)" if queues is not None else "no plain job types"))
     secrets = _master_key()
     if secrets is None and McpServerUpload.kind in executors.kinds:
         log.warning("%s is not set: secret env values of McpServerUpload jobs will be dropped",
@@ -451,10 +479,32 @@ def worker_command(
                              recovery_interval=recovery_interval, max_attempts=max_attempts,
                              heartbeat_interval=heartbeat_interval, lease=lease,
                              rescue_interval=rescue_interval, maintenance=maintenance,
-                             job_timeout=job_timeout)
+                             job_timeout=job_timeout, queues=queues, builds=builds)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(_run(dsn, _work, dsn, executors, config, secrets))
+
+
+def parse_queues(spec: str | None, default: int) -> dict[str, int] | None:
+    """``"default=10,email"`` as ``{"default": 10, "email": default}``; None for None."""
+    if spec is None:
+        return None
+    spec = spec.strip()
+    if spec.lower() == "none":
+        return {}
+    queues: dict[str, int] = {}
+    for item in spec.split(","):
+        name, sep, count = item.strip().partition("=")
+        name = name.strip()
+        if not name:
+            raise click.BadParameter(f"{spec!r}: expected NAME[=N],..., e.g. default=10,email=2",
+                                     param_hint="--queues")
+        try:
+            queues[name] = int(count) if sep else default
+        except ValueError:
+            raise click.BadParameter(f"{item.strip()!r}: N must be a whole number",
+                                     param_hint="--queues") from None
+    return queues
 
 
 # -- status -----------------------------------------------------------------------

@@ -6,12 +6,38 @@ A module of its own because the worker runs in a subprocess, which imports it by
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import attrs
 import trio
 
-from nasiko_queue import Executors, JobContext, Rollback, Update, Upload
+from nasiko_queue import (
+    Executors,
+    JobArgs,
+    JobContext,
+    JobOptions,
+    PlainJobContext,
+    Rollback,
+    Update,
+    Upload,
+)
 from nasiko_queue.testing import set_build_status
 
 executors = Executors()
+
+
+@attrs.frozen(kw_only=True)
+class Ping(JobArgs):
+    """A plain job of queue "pings"."""
+
+    kind: ClassVar[str] = "ping"
+    options: ClassVar[JobOptions] = JobOptions(queue="pings")
+    n: int = 0
+
+
+@executors.register(Ping)
+async def ping(ctx: PlainJobContext[Ping]) -> None:
+    return None
 
 
 @executors.register(Upload)

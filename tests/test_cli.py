@@ -279,6 +279,7 @@ def test_executors_spec_forms(runner: CliRunner) -> None:
     assert isinstance(load_executors("tests.cli_executors:executors"), Executors)
     assert load_executors("tests.cli_executors:make_executors").kinds == {
         "Upload", "Update", "Rollback"}
+    assert load_executors("tests.cli_executors:make_executors").plain_kinds == {"ping"}
 
 
 def test_worker_flags_reach_the_queue_config(
@@ -314,6 +315,41 @@ def test_worker_flags_reach_the_queue_config(
     refused = invoke(runner, *spec, "--max-attempts", "0")
     assert refused.exit_code == 2
     assert "--max-attempts" in refused.stderr
+
+
+def test_worker_roles_by_flag_and_by_environment(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which queues a process runs, and whether it runs builds and maintenance, by
+    flag or by environment variable, so that an operator can scale them apart."""
+    import nasiko_queue.cli
+
+    configs: list[QueueConfig] = []
+
+    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object) -> int:
+        configs.append(config)
+        return 0
+
+    monkeypatch.setattr(nasiko_queue.cli, "_work", work)
+    spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
+            "tests.cli_executors:executors"]
+    assert invoke(runner, *spec, "--queues", "pings=8,email", "--concurrency", "3",
+                  "--no-builds", "--no-maintenance").exit_code == 0
+    with monkeypatch.context() as env:
+        env.setenv("NASIKO_QUEUE_QUEUES", "none")
+        env.setenv("NASIKO_QUEUE_MAINTENANCE", "false")
+        assert invoke(runner, *spec).exit_code == 0
+    assert configs == [
+        QueueConfig(queues={"pings": 8, "email": 3}, concurrency=3, builds=False,
+                    maintenance=False),
+        QueueConfig(queues={}, maintenance=False),
+    ]
+    nothing = invoke(runner, *spec, "--queues", "none", "--no-builds")
+    assert nothing.exit_code == 2
+    assert "would run nothing" in nothing.stderr
+    bad = invoke(runner, *spec, "--queues", "pings=lots")
+    assert bad.exit_code == 2
+    assert "--queues" in bad.stderr
 
 
 @pytest.mark.parametrize(

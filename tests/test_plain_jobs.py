@@ -390,3 +390,43 @@ async def test_the_originals_claim_never_takes_a_plain_or_scheduled_job(queue: Q
     assert await queue.db.run(original_claim) is None
     assert await queue.db.fetchval(
         "SELECT count(*) FROM nasiko_queue_jobs WHERE state = 'available'") == 6
+
+
+async def test_a_dead_workers_plain_jobs_are_rescued_or_discarded(db: Database) -> None:
+    """The leader's rescue covers plain jobs: a dead worker's running job with
+    runs left is available again (attempt counted) and runs on a live worker;
+    one on its last attempt is discarded; a cancelled one ends cancelled."""
+    import uuid
+
+    from nasiko_queue.jobs import PgJobStore, WorkerIdentity
+    from nasiko_queue.plain_jobs import PlainJobStore
+
+    config = attrs.evolve(FAST, heartbeat_interval=0.1, lease=0.6, rescue_interval=0.05)
+    queue = Queue(db, config=config)
+    again = await queue.enqueue(Step(n=1), options=JobOptions(priority=0))
+    last = await queue.enqueue(Step(n=2), options=JobOptions(priority=1, max_attempts=1))
+    asked = await queue.enqueue(Step(n=3), options=JobOptions(priority=2))
+    dead = PgJobStore(db, config, runnable_kinds=frozenset(), known_kinds=frozenset())
+    await dead.register_worker(WorkerIdentity(id=uuid.uuid4(), host="gone", pid=1, kinds=()))
+    claimed = await PlainJobStore(db, config, "default", lambda: dead.worker_id).claim(3)
+    assert [j.id for j in claimed] == [again, last, asked]
+    assert await queue.cancel(asked) == "cancelling"
+    await db.execute(
+        "UPDATE nasiko_queue_workers SET heartbeat_at = heartbeat_at - interval '1 hour'")
+    await db.execute(
+        "UPDATE nasiko_queue_jobs SET attempted_at = attempted_at - interval '1 hour'")
+    runs: list[int] = []
+    executors = Executors()
+
+    @executors.register(Step)
+    async def step(ctx: PlainJobContext[Step]) -> None:
+        runs.append(ctx.attempt)
+
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1)
+        assert worker.stats.rescued == 3  # given back or ended
+    assert runs == [2]
+    assert [(await plain_row(db, j))["state"] for j in (again, last, asked)] == [
+        "completed", "discarded", "cancelled"]
+    assert (await plain_row(db, last))["error_msg"] == "the worker running it died"

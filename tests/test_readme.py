@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,31 @@ async def test_embedding_example_runs(dsn: str, capsys: pytest.CaptureFixture[st
     exec(compile(example, str(README), "exec"), namespace)  # noqa: S102
     await namespace["main"](dsn, generate_master_key())  # type: ignore[operator]
     assert capsys.readouterr().out.strip().splitlines()[-1] == "done"
+
+
+def _block(marker: str) -> str:
+    """The README's python block whose first line is ``# readme: <marker>``."""
+    [block] = [b for b in _python_blocks() if b.startswith(f"# readme: {marker}\n")]
+    return block
+
+
+def _module(marker: str, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """Run a README block as a module of its own (attrs resolves its annotations
+    through `sys.modules`, as for any module the application writes)."""
+    module = types.ModuleType(f"readme_{marker.replace(' ', '_')}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(_block(marker), str(README), "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+async def test_plain_jobs_example_runs(dsn: str, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    await _module("plain jobs", monkeypatch).main(dsn)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "done"
+    # Priority first: the urgent one, then the welcome one; the digest was cancelled.
+    assert out[:2] == ["sending urgent to ops@example.com attempt 1",
+                       "sending welcome to b@example.com attempt 1"]
 
 
 def _setup_commands() -> list[str]:

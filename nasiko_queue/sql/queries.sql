@@ -323,6 +323,9 @@ TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors,
 WITH claims AS (
     UPDATE build_jobs SET picked_at = picked_at - interval '1 minute'
     WHERE claimed_by = $1 AND status = 'in_progress'
+), plain_claims AS (
+    UPDATE nasiko_queue_jobs SET attempted_at = attempted_at - interval '1 minute'
+    WHERE claimed_by = $1 AND state = 'running'
 )
 UPDATE nasiko_queue_workers SET heartbeat_at = heartbeat_at - interval '1 minute'
 WHERE id = $1;
