@@ -162,12 +162,14 @@ async def test_each_queue_runs_at_most_its_concurrency_and_only_its_own_jobs(
     queue = Queue(db, config=config)
     running_now = {"email": 0, "default": 0}
     peak = {"email": 0, "default": 0}
-    release = trio.Event()
+    release, full = trio.Event(), trio.Event()
     executors = Executors()
 
     async def hold(ctx: Any) -> None:
         running_now[ctx.queue] += 1
         peak[ctx.queue] = max(peak[ctx.queue], running_now[ctx.queue])
+        if sum(running_now.values()) == 3:
+            full.set()
         await release.wait()
         running_now[ctx.queue] -= 1
 
@@ -180,7 +182,9 @@ async def test_each_queue_runs_at_most_its_concurrency_and_only_its_own_jobs(
     other = await queue.enqueue(Step(n=99), options=JobOptions(queue="reports"))
     async with running(queue, executors) as worker:
         with trio.fail_after(TEST_DEADLINE):
-            await worker.wait_for(lambda s: s.running == 3)
+            # Every slot's executor has started (stats.running counts a slot from
+            # the moment it takes a job, before its executor runs).
+            await full.wait()
             release.set()
             await worker.wait_for(lambda s: s.done >= 10)
     assert peak == {"email": 2, "default": 1}

@@ -54,9 +54,10 @@ async def test_plain_jobs_example_runs(dsn: str, capsys: pytest.CaptureFixture[s
     await _module("plain jobs", monkeypatch).main(dsn)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "done"
-    # Priority first: the urgent one, then the welcome one; the digest was cancelled.
-    assert out[:2] == ["sending urgent to ops@example.com attempt 1",
-                       "sending welcome to b@example.com attempt 1"]
+    # The urgent one and the welcome one (once); the digest was cancelled. (Their
+    # order is the slots', four at once; priority is tested in test_plain_jobs.)
+    assert sorted(out[:-1]) == ["sending urgent to ops@example.com attempt 1",
+                                "sending welcome to b@example.com attempt 1"]
 
 
 def _setup_commands() -> list[str]:
