@@ -11,9 +11,13 @@ issue's proof with four replica processes is in test_schedule_processes.py.
 from __future__ import annotations
 
 import itertools
+import re
+import sys
+import types
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import attrs
@@ -388,3 +392,32 @@ def test_the_config_flag_defaults_on() -> None:
     assert SchedulerConfig.of(QueueConfig(schedule_grace=5.0)).grace == 5.0
     with pytest.raises(ConfigurationError):
         QueueConfig(schedule_grace=0)
+
+
+def readme_cron_example() -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Cron schedules", 1)[1].split("\n## ", 1)[0]
+    [block] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    return str(block)
+
+
+async def test_the_readme_example_defines_working_schedules(queue: Queue) -> None:
+    block = readme_cron_example()
+    # A module of its own, as when run as a script (type hints are resolved there).
+    module = types.ModuleType("readme_cron")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(block, "README.md", "exec"), module.__dict__)  # noqa: S102
+        await enqueue_the_readme_ticks(queue, module.SCHEDULES)
+    finally:
+        del sys.modules[module.__name__]
+
+
+async def enqueue_the_readme_ticks(queue: Queue, schedules: list[Schedule]) -> None:
+    scheduler = Scheduler(queue, schedules)
+    await scheduler.run_once(utc(2024, 5, 6, 5, 29, 55))  # a Monday, 07:29:55 in Berlin
+    result = await scheduler.run_once(utc(2024, 5, 6, 5, 30, 0))
+    assert sorted((t.name, t.at) for t in result.enqueued) == [
+        ("ten-seconds", utc(2024, 5, 6, 5, 30)), ("weekday-digest", utc(2024, 5, 6, 5, 30))]
+    kinds = await queue.db.fetch("SELECT kind, queue FROM nasiko_queue_jobs")
+    assert {(r["kind"], r["queue"]) for r in kinds} == {("send_digest", "email")}
