@@ -19,6 +19,7 @@ General layout (each module is named for what it holds):
 * ``producer``, ``completer``, ``slots``  the parts of a lane
 * ``job_executor``, ``plain_executor``  each lane's steps for one job
 * ``heartbeat``, ``maintenance``, ``listener``  the worker's services
+* ``schedules``   cron schedules: `Schedule`, the `Scheduler`
 * ``executors``   the registry of executors and what they receive
 * ``cli``         the ``nasiko-queue`` command; ``demo`` its demo
 * ``embedded``    a private PostgreSQL for the demo and the tests
@@ -62,6 +63,9 @@ from .payloads import Update as Update
 from .payloads import Upload as Upload
 from .payloads import ZipSource as ZipSource
 from .queue import Queue as Queue
+from .schedules import Schedule as Schedule
+from .schedules import Scheduler as Scheduler
+from .schedules import SchedulerConfig as SchedulerConfig
 from .secrets import Secret as Secret
 from .secrets import SecretBox as SecretBox
 from .worker import Worker as Worker

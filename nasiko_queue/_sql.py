@@ -117,6 +117,9 @@ class Queries:
     deleted_build_jobs_prune: str
     # -- dead-letter queue and job listings
     # -- cron schedules
+    schedule_advance: str
+    schedule_first_sight: str
+    schedule_list: str
 
 
 def parse(text: str) -> dict[str, str]:

@@ -189,6 +189,14 @@ class QueueConfig:
     #: sit in the table in plaintext and no master key is needed for them. Either way,
     #: workers read both plaintext and sealed values.
     seal_agent_env: bool = True
+    #: Whether this worker runs the scheduler of the cron schedules it is given
+    #: (`Worker(..., schedules=)`). Every replica may: the database decides which
+    #: one enqueues each tick. Off for a process that should only run jobs.
+    scheduler: bool = True
+    #: Seconds after its time within which a cron tick counts as on time; a tick
+    #: first reached later was missed (every replica or the database was down)
+    #: and is enqueued only if its schedule has `catch_up` (the latest one, once).
+    schedule_grace: float = attrs.field(default=60.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.lease < 3 * self.heartbeat_interval:

@@ -11,8 +11,10 @@ Shape (docs/rules.md §5, §8)::
                         off), the recovery timer (`StuckJobSweeper`: first tick
                         one period after start, missed ticks skipped; each tick
                         also prunes, `Pruner`), the `JobRescuer` (dead workers'
-                        jobs back to pending), all three on the leader only, and
-                        the `Listener` (LISTEN on a dedicated connection; every
+                        jobs back to pending), all three on the leader only, the
+                        `Scheduler` (cron ticks, on every replica that has it:
+                        the database decides who enqueues each tick), and the
+                        `Listener` (LISTEN on a dedicated connection; every
                         notification is a wake)
       nursery "work":   the `Producer` (claims into the local buffer, carrying the
                         `Completer`'s queued finishes on each statement; gives
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 from uuid import UUID
@@ -72,6 +74,7 @@ from .plain_jobs import PlainJobStore
 from .producer import Producer
 from .queue import Queue
 from .retry import RetryPolicy, one_line
+from .schedules import Schedule, Scheduler, SchedulerConfig
 from .slots import Slots
 from .state import WorkerState, WorkerStats
 
@@ -95,6 +98,10 @@ class Worker:
         executors: one executor per kind this worker runs; it claims only those
             kinds (plus kinds no payload type knows, which fail as invalid).
         store: the database operations; `PgJobStore` unless a test gives a fake.
+        schedules: cron schedules whose ticks this worker enqueues, when
+            `QueueConfig.scheduler` is on (the `Scheduler`, in its timers
+            nursery). Every replica may run the same ones: each tick is
+            enqueued once. Their jobs run wherever their queue is worked.
     """
 
     def __init__(
@@ -103,6 +110,7 @@ class Worker:
         executors: Executors,
         *,
         store: JobStore | None = None,
+        schedules: Sequence[Schedule] = (),
     ) -> None:
         if not len(executors):
             raise ValueError("a worker needs at least one registered executor")
@@ -153,6 +161,11 @@ class Worker:
                                        self.stats, on_swept=self.wake,
                                        leading=self.state.is_leader)
         self.pruner = Pruner(queue.db, self.config.retention, self.stats)
+        #: Enqueues the cron schedules' ticks; None without schedules or with
+        #: `QueueConfig.scheduler` off.
+        self.scheduler: Scheduler | None = None
+        if schedules and self.config.scheduler:
+            self.scheduler = Scheduler(queue, schedules, SchedulerConfig.of(self.config))
         self._started = False
 
     def _worker_id(self) -> UUID | None:
@@ -287,6 +300,8 @@ class Worker:
                 await timers.start(self.heartbeat.run)
                 timers.start_soon(partial(self.sweeper.run, then=self.pruner.run_once))
                 timers.start_soon(self.rescuer.run)
+                if self.scheduler is not None:
+                    await timers.start(self.scheduler.run)
                 channel = self.config.notify_channel
                 if self.config.listen and channel is not None:
                     listener = Listener(self.queue.db, channel, state, self.wake)

@@ -933,3 +933,26 @@ FROM nasiko_queue_jobs WHERE id = $1;
 
 -- ============================================================================
 -- Cron schedules (nasiko_queue_schedules, migration 0010).
+
+-- name: schedule_advance
+-- Move schedule $1's last tick forward to $2, if it is behind it; returns a row
+-- only then. The one transaction that moves it enqueues that tick's job (in the
+-- same transaction), so each tick is enqueued once: a concurrent scheduler
+-- waits for the row lock, re-reads the committed row, finds last_tick = $2,
+-- and updates nothing. A scheduler whose clock lags moves nothing either.
+UPDATE nasiko_queue_schedules SET last_tick = $2, updated_at = now()
+WHERE name = $1 AND last_tick < $2
+RETURNING last_tick;
+
+-- name: schedule_first_sight
+-- Record schedule $1 at tick $2 the first time any scheduler sees it; returns
+-- a row only to the one that inserted it. Run when `schedule_advance` moved
+-- nothing: no row yet, or a row already at or past $2. Schedulers racing on a
+-- new schedule wait on the same key; one inserts, the others insert nothing.
+INSERT INTO nasiko_queue_schedules (name, last_tick) VALUES ($1, $2)
+ON CONFLICT (name) DO NOTHING
+RETURNING last_tick;
+
+-- name: schedule_list
+-- Every schedule's last tick enqueued (or recorded), for tools and tests.
+SELECT name, last_tick, updated_at FROM nasiko_queue_schedules ORDER BY name;
