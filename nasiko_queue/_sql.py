@@ -116,6 +116,22 @@ class Queries:
     plain_get: str
     deleted_build_jobs_prune: str
     # -- dead-letter queue and job listings
+    jobs_list: str
+    plain_lock: str
+    plain_requeue: str
+    plain_delete_finished: str
+    build_job_peek: str
+    build_job_lock: str
+    build_job_requeue: str
+    agent_soft_deleted: str
+    agent_build_requeue: str
+    agent_redeploy: str
+    connector_build_requeue: str
+    connector_redeploy: str
+    build_job_delete_finished: str
+    deleted_build_job_get: str
+    deleted_build_job_delete: str
+    job_errors_delete: str
     # -- cron schedules
     schedule_advance: str
     schedule_first_sight: str

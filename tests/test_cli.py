@@ -730,7 +730,12 @@ def test_job_shows_the_row_the_masked_payload_and_each_error(runner: CliRunner,
 
     gone_out = invoke(runner, "job", str(gone), "--dsn", dsn)
     assert gone_out.exit_code == 0, gone_out.output
-    assert "the row is gone (deleted with its target); 3 error(s) kept" in gone_out.stdout
+    # Deleted with its never-built target, it is shown from its kept copy.
+    assert "a kept copy: its target was deleted with it" in gone_out.stdout
+    assert all(f"attempt {n} crash" in gone_out.stdout for n in (1, 2, 3))
+    with_db(dsn, lambda db: db.execute("DELETE FROM nasiko_queue_deleted_build_jobs"))
+    alone = invoke(runner, "job", str(gone), "--dsn", dsn)
+    assert "the row is gone (deleted with its target); 3 error(s) kept" in alone.stdout
     assert TOKEN not in gone_out.stdout
 
     missing = invoke(runner, "job", str(uuid.uuid4()), "--dsn", dsn)

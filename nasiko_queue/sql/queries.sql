@@ -930,6 +930,140 @@ FROM nasiko_queue_jobs WHERE id = $1;
 
 -- ============================================================================
 -- Dead-letter queue and job listings (the `jobs` API and CLI).
+--
+-- A job is listed with one vocabulary whichever table holds it: plain jobs as
+-- they are; build jobs in the queue "builds", their kind from the payload and
+-- their status mapped (pending: available, in_progress: running, done:
+-- completed, failed: discarded); copies of failed build jobs deleted with their
+-- target as discarded, flagged target_deleted. A job's "at" is when it ended, or
+-- when it was created while it has not.
+
+-- name: jobs_list
+-- One page of jobs, newest "at" first, across the three tables: $1 queue, $2
+-- kind, $3 state (the listing's names), $4 older than (an interval), each NULL
+-- for any; $5, $6 the (at, id) of the last job of the previous page (NULL: the
+-- first page); $7 the page size. Filters are parameters, never spliced in.
+SELECT * FROM (
+    SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
+           error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
+           false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id
+    FROM nasiko_queue_jobs
+    WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+      AND ($3::text IS NULL OR state = $3)
+    UNION ALL
+    SELECT 'build', id, 'builds', payload ->> 'kind',
+           CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
+                       WHEN 'done' THEN 'completed' ELSE 'discarded' END,
+           attempt, NULL::int, error_msg, created_at, completed_at,
+           coalesce(completed_at, created_at), false, agent_id, connector_id
+    FROM build_jobs
+    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+      AND ($3::text IS NULL
+           OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
+                               WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+    UNION ALL
+    SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
+           error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
+           agent_id, connector_id
+    FROM nasiko_queue_deleted_build_jobs
+    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+      AND ($3::text IS NULL OR $3 = 'discarded')
+) AS j
+WHERE ($4::interval IS NULL OR j.at < now() - $4::interval)
+  AND ($5::timestamptz IS NULL OR (j.at, j.id) < ($5::timestamptz, $6::uuid))
+ORDER BY j.at DESC, j.id DESC
+LIMIT $7;
+
+-- name: plain_lock
+-- A plain job's state and unique key, its row locked until the retry or discard
+-- that reads it commits (so that a worker or another operator cannot change it
+-- in between). No row: no such plain job.
+SELECT state, unique_key FROM nasiko_queue_jobs WHERE id = $1 FOR UPDATE;
+
+-- name: plain_requeue
+-- Retry a dead plain job (discarded or cancelled): available now, as if just
+-- enqueued: attempts from 0, no error, not finished, no claim, no cancel asked.
+-- Its kept errors stay (they are its history). A unique key held by another job
+-- in one of this job's unique states raises unique_violation.
+UPDATE nasiko_queue_jobs
+SET state = 'available', attempt = 0, run_at = now(), error_msg = NULL, finished_at = NULL,
+    claimed_by = NULL, claim_token = NULL, cancel_requested = false
+WHERE id = $1 AND state IN ('discarded', 'cancelled');
+
+-- name: plain_delete_finished
+-- Discard a finished plain job (completed, discarded, cancelled) for good.
+DELETE FROM nasiko_queue_jobs
+WHERE id = $1 AND state IN ('completed', 'discarded', 'cancelled');
+
+-- name: build_job_peek
+-- A build job's status, target and payload, unlocked: a retry locks the target
+-- first (`agent_lock` / `connector_lock`, the lock order of docs/rules.md §6)
+-- and only then the job (`build_job_lock`).
+SELECT status, agent_id, connector_id, payload::text AS payload
+FROM build_jobs WHERE id = $1;
+
+-- name: build_job_lock
+-- A build job's status and target, its row locked (after its target's, when the
+-- caller retries it). No row: no such build job (or it was deleted meanwhile).
+SELECT status, agent_id, connector_id FROM build_jobs WHERE id = $1 FOR UPDATE;
+
+-- name: build_job_requeue
+-- Retry a failed build job: pending with attempt 0 and no error, as the
+-- original's enqueue writes a job, so that either side's worker runs it.
+-- picked_at, completed_at and the claim are cleared (they described the run
+-- that failed).
+UPDATE build_jobs
+SET status = 'pending', attempt = 0, error_msg = NULL, picked_at = NULL,
+    completed_at = NULL, claimed_by = NULL, claim_token = NULL
+WHERE id = $1 AND status = 'failed';
+
+-- name: agent_soft_deleted
+-- Whether agent $1 is soft-deleted (a job for it would fail `target deleted`).
+SELECT deleted_at IS NOT NULL FROM agents WHERE id = $1;
+
+-- name: agent_build_requeue
+-- A retried job's own build row $1 (of agent $2), if it failed, is queued again,
+-- as the enqueue point left it.
+UPDATE agent_builds SET status = 'queued' WHERE id = $1 AND agent_id = $2 AND status = 'failed';
+
+-- name: agent_redeploy
+-- A retried job's agent, if it had failed, is deploying again (what the
+-- enqueue point writes; terminalization fails only a deploying agent, so a
+-- second failure for good ends it `failed` again). Any other status is left.
+UPDATE agents SET status = 'deploying' WHERE id = $1 AND status = 'failed';
+
+-- name: connector_build_requeue
+-- As `agent_build_requeue`, for a connector's build row: pending again.
+UPDATE mcp_connector_builds SET status = 'pending', completed_at = NULL
+WHERE id = $1 AND connector_id = $2 AND status = 'failed';
+
+-- name: connector_redeploy
+-- As `agent_redeploy`, for a connector: a failed one is pending again.
+UPDATE mcp_connectors SET build_status = 'pending' WHERE id = $1 AND build_status = 'failed';
+
+-- name: build_job_delete_finished
+-- Discard a finished build job (done or failed) for good. The flag (local to
+-- the transaction) tells the trigger of 0010 not to copy a failed row aside:
+-- the operator means it gone, as retention does.
+DELETE FROM build_jobs
+WHERE id = $1 AND status IN ('done', 'failed')
+  AND (SELECT set_config('nasiko_queue.pruning', 'on', true)) = 'on';
+
+-- name: deleted_build_job_get
+-- The kept copy of a failed build job deleted with its target (for `job` and
+-- the refusal of its retry).
+SELECT id, payload ->> 'kind' AS kind, attempt, error_msg, agent_id, connector_id, owner_id,
+       created_at, picked_at, completed_at, deleted_at, payload::text AS payload
+FROM nasiko_queue_deleted_build_jobs WHERE id = $1;
+
+-- name: deleted_build_job_delete
+-- Discard the kept copy of a failed build job deleted with its target.
+DELETE FROM nasiko_queue_deleted_build_jobs WHERE id = $1;
+
+-- name: job_errors_delete
+-- A discarded job's kept errors go with it.
+DELETE FROM nasiko_queue_job_errors WHERE job_id = $1;
+
 
 -- ============================================================================
 -- Cron schedules (nasiko_queue_schedules, migration 0010).
