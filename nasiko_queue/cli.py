@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -66,6 +66,7 @@ from .migrate import load_migrations, migrate
 from .payloads import McpServerUpload
 from .queue import Queue
 from .retention import BATCH_SIZE, parse_duration, prune
+from .schedules import Schedule
 from .secrets import SecretBox, generate_master_key
 from .status import QueueStatus, queue_status
 from .worker import Worker
@@ -240,6 +241,27 @@ def migrate_command(dsn: str | None) -> None:
 # -- worker -----------------------------------------------------------------------
 
 
+def _import_attribute(spec: str, option: str) -> Any:
+    """Import ``module:attribute`` for `option`; the current directory is importable."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise OperatorError(f"{option}: expected module:attribute, e.g. myapp.jobs:executors")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OperatorError(f"{option}: cannot import {module_name!r}: {exc}") from None
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise OperatorError(
+                f"{option}: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    return target
+
+
 def load_executors(spec: str) -> Executors:
     """
     Import ``module:attribute`` and return the `Executors` it names.
@@ -249,22 +271,7 @@ def load_executors(spec: str) -> Executors:
     current directory is importable, as for ``python -m``, so that a project's
     own modules are found when the command runs from the project's folder.
     """
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise OperatorError("--executors: expected module:attribute, e.g. myapp.jobs:executors")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise OperatorError(f"--executors: cannot import {module_name!r}: {exc}") from None
-    for part in attr_path.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise OperatorError(
-                f"--executors: {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+    target = _import_attribute(spec, "--executors")
     if not isinstance(target, Executors) and callable(target):
         target = target()
     if not isinstance(target, Executors):
@@ -374,11 +381,12 @@ async def _check_schema_when_up(
 
 
 async def _work(dsn: str, executors: Executors, config: QueueConfig,
-                secrets: SecretBox | None) -> int:
+                secrets: SecretBox | None, schedules: Sequence[Schedule] = ()) -> int:
     shutdown = _Shutdown()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_database(dsn) as db:
-            worker = Worker(Queue(db, config=config, secrets=secrets), executors)
+            worker = Worker(Queue(db, config=config, secrets=secrets), executors,
+                            schedules=schedules)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, worker, nursery.cancel_scope,
                                    shutdown)
@@ -429,6 +437,14 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
 @click.option("--rescue-interval", type=click.FloatRange(min=0, min_open=True),
               default=QueueConfig().rescue_interval, show_default=True,
               help="Seconds between the leader's rescues of dead workers' jobs.")
+@click.option("--schedules", "schedules_spec", metavar="MODULE:ATTRIBUTE", default=None,
+              envvar="NASIKO_QUEUE_SCHEDULES", show_envvar=True,
+              help="Cron schedules whose ticks this process enqueues: a sequence of "
+                   "Schedule (or a function returning one), e.g. myapp.jobs:schedules.")
+@click.option("--scheduler/--no-scheduler", default=True, show_default=True,
+              envvar="NASIKO_QUEUE_SCHEDULER", show_envvar=True,
+              help="Whether this process runs the cron scheduler for --schedules (every "
+                   "replica may: each tick is enqueued once).")
 @click.option("--maintenance/--no-maintenance", default=True, show_default=True,
               envvar="NASIKO_QUEUE_MAINTENANCE", show_envvar=True,
               help="Whether this worker stands for the maintenance leadership (rescue, "
@@ -451,6 +467,8 @@ def worker_command(
     heartbeat_interval: float,
     lease: float,
     rescue_interval: float,
+    schedules_spec: str | None,
+    scheduler: bool,
     maintenance: bool,
     job_timeout: float | None,
     log_level: str,
@@ -494,10 +512,24 @@ def worker_command(
                              recovery_interval=recovery_interval, max_attempts=max_attempts,
                              heartbeat_interval=heartbeat_interval, lease=lease,
                              rescue_interval=rescue_interval, maintenance=maintenance,
-                             job_timeout=job_timeout, queues=queues, builds=builds)
+                             job_timeout=job_timeout, queues=queues, builds=builds,
+                             scheduler=scheduler)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
-    sys.exit(_run(dsn, _work, dsn, executors, config, secrets))
+    schedules = load_schedules(schedules_spec) if schedules_spec else ()
+    sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules))
+
+
+def load_schedules(spec: str) -> tuple[Schedule, ...]:
+    """``module:attribute`` naming a sequence of `Schedule` (or a function returning one)."""
+    target = _import_attribute(spec, "--schedules")
+    if callable(target) and not isinstance(target, Schedule):
+        target = target()
+    items = (target,) if isinstance(target, Schedule) else target
+    if not isinstance(items, Sequence) or not all(isinstance(s, Schedule) for s in items):
+        raise OperatorError(f"--schedules: {spec} is not a sequence of Schedule (or a "
+                            "function with no arguments that returns one)")
+    return tuple(items)
 
 
 def parse_queues(spec: str | None, default: int) -> dict[str, int] | None:

@@ -77,6 +77,10 @@ def _queues(
         if not isinstance(name, str) or not 0 < len(name) <= 128:
             raise ConfigurationError(f"queues: a queue name is 1 to 128 characters, got "
                                      f"{name!r}")
+        if name == "builds":
+            raise ConfigurationError("queues: 'builds' is the name build jobs go by (they "
+                                     "run when QueueConfig.builds is on); name plain "
+                                     "queues otherwise")
         if name in seen:
             raise ConfigurationError(f"queues: {name!r} is given twice")
         seen.add(name)

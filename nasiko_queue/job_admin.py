@@ -39,8 +39,6 @@ from .payloads import raw_build_id
 STATES = ("available", "running", "completed", "discarded", "cancelled")
 #: States a job has for good: only these can be discarded.
 FINISHED_STATES = ("completed", "discarded", "cancelled")
-#: The queue build jobs are listed in.
-BUILDS_QUEUE = "builds"
 #: Default page size of a listing.
 DEFAULT_LIMIT = 50
 #: Page size used to collect every job a bulk retry or discard matches.
@@ -329,7 +327,8 @@ async def cancel(db: Database, job_id: UUID) -> str:
     if state in ("cancelled", "cancelling"):
         return state
     if state is not None:
-        raise JobRefused(f"job {job_id} has already ended ({state})")
+        raise JobRefused(f"job {job_id} has already ended "
+                         f"({state.removeprefix('already ')})")
     if await db.fetchrow(Q.build_job_peek, job_id) is not None or \
             await db.fetchrow(Q.deleted_build_job_get, job_id) is not None:
         raise JobRefused(f"job {job_id} is a build job: build jobs cannot be cancelled "

@@ -72,9 +72,16 @@ class Unique:
                                          converter=_states)
 
 
+#: The name build jobs go by in listings (`job_admin`), so no plain queue has it.
+BUILDS_QUEUE: Final = "builds"
+
+
 def _queue_name(_inst: object, _attr: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not 0 < len(value) <= 128:
         raise ValueError(f"a queue name is 1 to 128 characters, got {value!r}")
+    if value == BUILDS_QUEUE:
+        raise ValueError(f"{BUILDS_QUEUE!r} is the name build jobs go by; give plain jobs "
+                         "another queue")
 
 
 @attrs.frozen(kw_only=True)

@@ -165,8 +165,9 @@ class Queue:
         Cancel a plain job. A waiting (or scheduled) job ends `cancelled` at
         once; a running one is asked to stop: the worker that runs it cancels
         its executor at its next heartbeat (within `heartbeat_interval`) and the
-        job ends `cancelled`. Returns "cancelled", "cancelling", the state of a
-        job that had already ended (nothing changes), or None: no such job.
+        job ends `cancelled`. Returns "cancelled", "cancelling", "already
+        <state>" for a job that had already ended (nothing changes: "already
+        cancelled", "already completed", ...), or None: no such job.
 
         Build jobs cannot be cancelled (docs/rules.md has no such state: their
         targets' rules decide how they end); their ids return None.

@@ -21,6 +21,7 @@ from nasiko_queue import (
     Update,
     Upload,
 )
+from nasiko_queue.schedules import Schedule
 from nasiko_queue.testing import set_build_status
 
 executors = Executors()
@@ -57,6 +58,10 @@ async def build_update_forever(ctx: JobContext[Update]) -> None:
 async def build_rollback_crashes(ctx: JobContext[Rollback]) -> None:
     """A build that always raises, for the attempt-cap test."""
     raise RuntimeError("this executor always crashes")
+
+
+#: For `worker --schedules tests.cli_executors:schedules`.
+schedules = [Schedule("ping-every-minute", "* * * * *", Ping())]
 
 
 def make_executors() -> Executors:

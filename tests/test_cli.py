@@ -290,7 +290,8 @@ def test_worker_flags_reach_the_queue_config(
 
     configs: list[QueueConfig] = []
 
-    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object) -> int:
+    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object,
+                   schedules: object = ()) -> int:
         configs.append(config)
         return 0
 
@@ -326,7 +327,8 @@ def test_worker_roles_by_flag_and_by_environment(
 
     configs: list[QueueConfig] = []
 
-    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object) -> int:
+    async def work(dsn: str, executors: Executors, config: QueueConfig, secrets: object,
+                   schedules: object = ()) -> int:
         configs.append(config)
         return 0
 
@@ -344,6 +346,21 @@ def test_worker_roles_by_flag_and_by_environment(
                     maintenance=False),
         QueueConfig(queues={}, maintenance=False),
     ]
+    got: list[object] = []
+
+    async def work_with_schedules(dsn: str, executors: Executors, config: QueueConfig,
+                                  secrets: object, schedules: object = ()) -> int:
+        got.append((config.scheduler, schedules))
+        return 0
+
+    monkeypatch.setattr(nasiko_queue.cli, "_work", work_with_schedules)
+    assert invoke(runner, *spec, "--schedules", "tests.cli_executors:schedules",
+                  "--no-scheduler").exit_code == 0
+    from tests.cli_executors import schedules
+    assert got == [(False, tuple(schedules))]
+    wrong = invoke(runner, *spec, "--schedules", "tests.cli_executors:executors")
+    assert wrong.exit_code == 2
+    assert "not a sequence of Schedule" in wrong.stderr
     nothing = invoke(runner, *spec, "--queues", "none", "--no-builds")
     assert nothing.exit_code == 2
     assert "would run nothing" in nothing.stderr

@@ -284,7 +284,7 @@ async def test_cancel_a_waiting_job_and_a_running_one(queue: Queue) -> None:
     waiting = await queue.enqueue(Step(n=1), delay=3600)
     assert await queue.cancel(waiting) == "cancelled"
     assert (await plain_row(queue.db, waiting))["state"] == "cancelled"
-    assert await queue.cancel(waiting) == "cancelled"  # no change, its state
+    assert await queue.cancel(waiting) == "already cancelled"  # no change
     assert await queue.cancel(waiting.__class__(int=1)) is None
 
     job = await queue.enqueue(Step(n=2))

@@ -859,8 +859,8 @@ WHERE state = 'available' AND queue = $1 AND run_at > now();
 -- name: plain_cancel
 -- Cancel job $1: a waiting job ends `cancelled` now; a running one is asked to
 -- stop (its worker sees the flag at its next heartbeat). Returns 'cancelled',
--- 'cancelling', or the state of a job that had already ended; no row: no such
--- job. A NOTIFY on $2 (when not NULL) wakes workers.
+-- 'cancelling', or 'already <state>' for a job that had already ended (nothing
+-- changes); no row: no such job.
 WITH waiting AS (
     UPDATE nasiko_queue_jobs
     SET state = 'cancelled', finished_at = now(), error_msg = 'cancelled'
@@ -873,7 +873,7 @@ WITH waiting AS (
 )
 SELECT state FROM waiting
 UNION ALL SELECT state FROM running
-UNION ALL SELECT state FROM nasiko_queue_jobs
+UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
           WHERE id = $1 AND state NOT IN ('available', 'running');
 
 -- name: plain_cancels_held
