@@ -396,7 +396,7 @@ def test_the_config_flag_defaults_on() -> None:
 
 def readme_cron_example() -> str:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("### Cron schedules", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n##+ ", readme.split("### Cron schedules", 1)[1], maxsplit=1)[0]
     [block] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     return str(block)
 
