@@ -22,6 +22,7 @@ class Queries:
 
     job_insert: str
     job_claim: str
+    job_claim_kinds: str
     job_fail: str
     agent_lock: str
     connector_lock: str
@@ -77,6 +78,7 @@ class Queries:
     jobs_insert_many_notify: str
     jobs_prune: str
     jobs_finish_many_and_claim: str
+    jobs_finish_many_and_claim_kinds: str
     jobs_unclaim: str
     jobs_unclaim_lost: str
     backend_end: str

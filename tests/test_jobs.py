@@ -214,3 +214,94 @@ async def test_hard_stop_with_several_slots_puts_every_running_job_back(queue: Q
         row = await job_row(queue.db, job.job_id)
         assert row is not None
         assert (row["status"], row["attempt"], row["picked_at"]) == ("pending", 1, None)
+
+
+# -- a replica that runs some of the kinds ----------------------------------------------
+
+
+async def _pending_rows(queue: Queue, kinds_in_order: list[str]) -> list[Any]:
+    """One pending job per entry, oldest first, with payloads of those kinds ('' for a
+    payload with no kind at all)."""
+    ids = []
+    for kind in kinds_in_order:
+        job = await enqueue_with_target(queue, "Upload")
+        payload = '{"no": "kind"}' if kind == "" else f'{{"kind": "{kind}"}}'
+        await queue.db.execute("UPDATE build_jobs SET payload = $2::jsonb, "
+                               "created_at = clock_timestamp() WHERE id = $1",
+                               job.job_id, payload)
+        ids.append(job.job_id)
+    return ids
+
+
+async def test_a_replica_of_some_kinds_claims_them_and_the_unknown_oldest_first(
+    queue: Queue,
+) -> None:
+    """docs/rules.md §5 for a replica that runs Update and Rollback only: it
+    claims those and every kind no payload type knows (to fail them as invalid),
+    oldest first across kinds, and leaves the known kinds it does not run."""
+    order = ["Upload", "Update", "Mystery", "Upload", "", "Rollback", "Clone", "Update"]
+    ids = await _pending_rows(queue, order)
+    await queue.db.execute("DELETE FROM build_jobs WHERE NOT id = ANY($1)", ids)
+    store = PgJobStore(queue.db, queue.config, runnable_kinds=frozenset({"Update", "Rollback"}),
+                       known_kinds=frozenset(KINDS))
+    claimed = [j.id for j in await store.claim(3)] + [j.id for j in await store.claim(10)]
+    mine = [job_id for job_id, kind in zip(ids, order, strict=True)
+            if kind not in ("Upload", "Clone")]
+    assert claimed == mine
+    assert await store.claim(5) == []
+    left = {r["id"] for r in await queue.db.fetch(
+        "SELECT id FROM build_jobs WHERE status = 'pending'")}
+    assert left == {ids[0], ids[3], ids[6]}
+
+
+async def test_the_claim_of_some_kinds_reads_only_their_rows(queue: Queue) -> None:
+    """The claim's plan goes through build_jobs_pending_kind (0011), one kind at a
+    time, never through the age-ordered index of every pending row, which made
+    such a claim read the whole backlog of the kinds it leaves to others."""
+    from nasiko_queue._sql import Q
+
+    [update] = await _pending_rows(queue, ["Update"])
+    await queue.db.execute(  # a backlog of 20,000 jobs of a kind it does not run
+        "INSERT INTO build_jobs (agent_id, owner_id, payload) "
+        "SELECT agent_id, owner_id, '{\"kind\": \"Upload\"}' FROM build_jobs, "
+        "generate_series(1, 20000) WHERE id = $1", update)
+    await queue.db.execute("ANALYZE build_jobs")
+
+    async def plan(conn: Any) -> str:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            rows = await conn.fetch("EXPLAIN " + Q.job_claim_kinds, 1, ["Update"],
+                                    list(KINDS), 1 << 20, None, None)
+            return "\n".join(r[0] for r in rows)
+
+    text = await queue.db.run(plan)
+    assert "build_jobs_pending_kind" in text, text
+    assert "build_jobs_work_queue" not in text, text
+    assert "Seq Scan on build_jobs" not in text, text
+
+
+async def test_a_worker_of_some_kinds_drains_them_through_the_batched_finish(
+    queue: Queue,
+) -> None:
+    """The same claim inside `jobs_finish_many_and_claim_kinds`: a two-slot worker
+    that runs Update only finishes every Update job and leaves the Uploads."""
+    import attrs
+
+    from nasiko_queue import Executors, Update
+
+    from .helpers import running, succeed
+
+    updates = [await enqueue_with_target(queue, "Update", prior_success=True)
+               for _ in range(6)]
+    uploads = [await enqueue_with_target(queue, "Upload") for _ in range(3)]
+    executors = Executors()
+    executors.register(Update, succeed)
+    two = Queue(queue.db, config=attrs.evolve(queue.config, concurrency=2))
+    async with running(two, executors) as worker:
+        with trio.fail_after(30):
+            await worker.wait_for(lambda s: s.done >= 6)
+            await worker.drain_once()
+    for job in updates:
+        assert (await job_row(queue.db, job.job_id) or {})["status"] == "done"
+    for job in uploads:
+        assert (await job_row(queue.db, job.job_id) or {})["status"] == "pending"

@@ -45,6 +45,48 @@ RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
           coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
                    false) AS target_soft_deleted;
 
+-- name: job_claim_kinds
+-- `job_claim` for a replica that runs only some of the known kinds (the same
+-- arguments, the same result): through build_jobs_pending_kind (0011), the
+-- oldest pending rows of each kind it runs ($2) and of each kind present that no
+-- payload type knows (not in $3, found by a loose index scan: one probe per kind
+-- present; a payload with no kind counts as the unknown kind ''), each taken with
+-- SKIP LOCKED, then the oldest $1 of those (the others are unlocked as the
+-- statement ends). Its cost follows the kinds this replica runs, not the backlog
+-- of the kinds it leaves to others. A replica that runs every known kind uses
+-- `job_claim`, whose one ordered scan is cheapest when every row is its own.
+UPDATE build_jobs AS j
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $5,
+    claimed_by = $6
+WHERE j.id = ANY (ARRAY(
+    WITH RECURSIVE present AS (
+        (SELECT coalesce(payload ->> 'kind', '') AS kind FROM build_jobs
+         WHERE status = 'pending'
+         ORDER BY coalesce(payload ->> 'kind', '') LIMIT 1)
+        UNION ALL
+        SELECT (SELECT coalesce(b.payload ->> 'kind', '') FROM build_jobs AS b
+                WHERE b.status = 'pending' AND coalesce(b.payload ->> 'kind', '') > present.kind
+                ORDER BY coalesce(b.payload ->> 'kind', '') LIMIT 1)
+        FROM present WHERE present.kind IS NOT NULL
+    ), wanted AS (
+        SELECT k.kind FROM unnest($2::text[]) AS k(kind)
+        UNION
+        SELECT kind FROM present WHERE kind IS NOT NULL AND NOT kind = ANY ($3::text[])
+    )
+    SELECT p.id
+    FROM wanted CROSS JOIN LATERAL (
+        SELECT id, created_at FROM build_jobs
+        WHERE status = 'pending' AND coalesce(payload ->> 'kind', '') = wanted.kind
+        ORDER BY created_at LIMIT $1
+        FOR UPDATE SKIP LOCKED) AS p
+    ORDER BY p.created_at
+    LIMIT $1))
+RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+          CASE WHEN octet_length(j.payload::text) <= $4 THEN j.payload::text END AS payload,
+          j.attempt - 1 AS old_attempt, j.created_at,
+          coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
+                   false) AS target_soft_deleted;
+
 -- name: job_fail
 -- Fail a claimed job with a fixed message (completed_at = now(), picked_at keeps
 -- the claim time). Only the claim that is still current is touched ($1 id, $2
@@ -450,6 +492,83 @@ WITH input AS (
         ORDER BY created_at
         LIMIT $6
         FOR UPDATE SKIP LOCKED))
+    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+              CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
+              j.attempt - 1 AS old_attempt, j.created_at,
+              coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a
+                        WHERE a.id = j.agent_id), false) AS target_soft_deleted
+)
+SELECT i.id AS finished_id,
+       coalesce(f.status, (SELECT c.status FROM build_jobs AS c
+                           WHERE c.id = i.id AND c.attempt = i.attempt
+                             AND c.status IN ('done', 'failed'))) AS finished_status,
+       NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
+       NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
+       NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
+FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
+UNION ALL
+SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
+       c.created_at, c.target_soft_deleted
+FROM claimed AS c;
+
+-- name: jobs_finish_many_and_claim_kinds
+-- `jobs_finish_many_and_claim` for a replica that runs only some of the known
+-- kinds: its claim is `job_claim_kinds`'s (the same arguments, the same result).
+--
+-- Finish jobs and claim what their slots (and the prefetch buffer) have room
+-- for, in one round trip: the worker's fetcher sends it with every finish queued
+-- since its previous statement. Finish every job of the batch
+-- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
+-- claim up to $6 next jobs ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with
+-- finished_id set report a finish (finished_status: what the row holds for
+-- that attempt now, NULL when gone or no longer ours; a retried batch thus
+-- reports what its first try wrote); rows with id set are claimed jobs.
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
+        AS i(id, attempt, is_connector, build_id)
+), outcome AS (
+    SELECT i.id, i.attempt,
+           CASE WHEN i.is_connector
+                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
+                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
+           END AS build_status
+    FROM input AS i
+), finished AS (
+    UPDATE build_jobs AS j
+    SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
+        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
+        completed_at = now()
+    FROM outcome AS o
+    WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt
+    RETURNING j.id, j.status
+), claimed AS (
+    UPDATE build_jobs AS j
+    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
+        claimed_by = $11
+    WHERE j.id = ANY (ARRAY(  -- as in job_claim_kinds
+        WITH RECURSIVE present AS (
+            (SELECT coalesce(payload ->> 'kind', '') AS kind FROM build_jobs
+             WHERE status = 'pending'
+             ORDER BY coalesce(payload ->> 'kind', '') LIMIT 1)
+            UNION ALL
+            SELECT (SELECT coalesce(b.payload ->> 'kind', '') FROM build_jobs AS b
+                    WHERE b.status = 'pending'
+                      AND coalesce(b.payload ->> 'kind', '') > present.kind
+                    ORDER BY coalesce(b.payload ->> 'kind', '') LIMIT 1)
+            FROM present WHERE present.kind IS NOT NULL
+        ), wanted AS (
+            SELECT k.kind FROM unnest($7::text[]) AS k(kind)
+            UNION
+            SELECT kind FROM present WHERE kind IS NOT NULL AND NOT kind = ANY ($8::text[])
+        )
+        SELECT p.id
+        FROM wanted CROSS JOIN LATERAL (
+            SELECT id, created_at FROM build_jobs
+            WHERE status = 'pending' AND coalesce(payload ->> 'kind', '') = wanted.kind
+            ORDER BY created_at LIMIT $6
+            FOR UPDATE SKIP LOCKED) AS p
+        ORDER BY p.created_at
+        LIMIT $6))
     RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
               CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
               j.attempt - 1 AS old_attempt, j.created_at,
