@@ -758,3 +758,49 @@ def test_job_shows_the_row_the_masked_payload_and_each_error(runner: CliRunner,
     missing = invoke(runner, "job", str(uuid.uuid4()), "--dsn", dsn)
     assert missing.exit_code == 1
     assert "no job" in missing.output
+
+
+@pytest.mark.slow
+async def test_worker_processes_with_split_roles_run_only_their_part(
+    dsn: str, queue: Queue, tmp_path: Path
+) -> None:
+    """Two processes of one application: one runs the build jobs and maintenance,
+    the other only the queue "pings" (by environment variables). Each job runs in
+    the process whose role it is; the workers' rows say which kinds they run."""
+    from tests.cli_executors import Ping
+
+    builds_log, pings_log = tmp_path / "builds.log", tmp_path / "pings.log"
+    builds = await _start_worker(dsn, builds_log, "--queues", "none")
+    env = {**os.environ, "NASIKO_QUEUE_QUEUES": "pings=2", "NASIKO_QUEUE_BUILDS": "false",
+           "NASIKO_QUEUE_MAINTENANCE": "false"}
+    with pings_log.open("wb") as out:
+        pings = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nasiko_queue", "worker", "--dsn", dsn,
+             "--executors", "tests.cli_executors:executors", "--poll-interval", "0.1"],
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
+    try:
+        job = await enqueue_with_target(queue, "Upload")
+        ping = await queue.enqueue(Ping(n=1))
+
+        async def both_done() -> bool:
+            state = await queue.db.fetchval(
+                "SELECT state FROM nasiko_queue_jobs WHERE id = $1", ping)
+            return state == "completed" and await _job_status(queue.db, job.job_id) == "done"
+
+        await _wait_for("both jobs to be done", both_done, builds)
+        held = {r["pid"]: r["claimed"] for r in await queue.db.fetch(
+            "SELECT w.pid, (SELECT count(*) FROM build_jobs AS j WHERE j.claimed_by = w.id) "
+            "+ (SELECT count(*) FROM nasiko_queue_jobs AS p WHERE p.claimed_by = w.id) "
+            "AS claimed FROM nasiko_queue_workers AS w")}
+        assert held == {builds.pid: 1, pings.pid: 1}
+        for proc in (builds, pings):
+            proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(DEADLINE):
+            assert await builds.wait() == 0
+            assert await pings.wait() == 0
+    finally:
+        for proc in (builds, pings):
+            if proc.returncode is None:
+                proc.kill()
+    assert "lanes: pings=2" in pings_log.read_text()
+    assert "lanes: builds=1" in builds_log.read_text()
