@@ -177,6 +177,38 @@ class ClaimOutcomeUnknown(OutcomeUnknown):
         self.claim = claim
 
 
+async def fetch_claiming(db: Database, sql: str, args: tuple[object, ...], *,
+                         token: UUID, claims: bool, bound: float) -> list[asyncpg.Record]:
+    """
+    Run a statement that claims jobs (when `claims`) with token `token`, bounded
+    on both sides of the bridge and on a generic plan. A lost answer raises
+    `ClaimOutcomeUnknown` naming the token (plain `OutcomeUnknown` when the
+    statement claims nothing: it is safe to send again).
+    """
+    try:
+        rows: list[asyncpg.Record] = await db.run_bounded(
+            lambda conn: conn.fetch(sql, *args, timeout=bound), bound=bound, generic=True)
+    except OutcomeUnknown as exc:
+        if claims:
+            raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
+        raise
+    return rows
+
+
+async def end_claims_backend(conn: asyncpg.Connection, claim: LostClaim, bound: float) -> None:
+    """
+    End the server process that received a claim whose answer was lost, and
+    make sure it is gone: only then is the claim settled (committed or rolled
+    back, not still on its way), and what it took can be given back.
+    """
+    if claim.backend_pid is None or claim.backend_pid == conn.get_server_pid():
+        return
+    wait_ms = max(1, int(bound * 1000 / 2))
+    await conn.fetchval(Q.backend_end, claim.backend_pid, wait_ms, timeout=bound)
+    if await conn.fetchval(Q.backend_alive, claim.backend_pid, timeout=bound):
+        raise TimeoutError(f"server process {claim.backend_pid} has not ended yet")
+
+
 class LaneStore(Protocol):
     """
     What one lane of a worker (its producer, completer and slots) does to its
@@ -278,12 +310,8 @@ class PgJobStore:
         token = uuid.uuid4()
         args = (limit, self._runnable, self._known, self._config.max_payload_bytes, token,
                 self.worker_id)
-        try:
-            rows = await self._db.run_bounded(
-                lambda conn: conn.fetch(self._claim_sql, *args, timeout=self._bound),
-                bound=self._bound, generic=True)
-        except OutcomeUnknown as exc:
-            raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
+        rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
+                                    bound=self._bound)
         jobs = [ClaimedJob(**dict(row)) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
@@ -329,14 +357,8 @@ class PgJobStore:
             token,
             self.worker_id,
         )
-        try:
-            rows = await self._db.run_bounded(
-                lambda conn: conn.fetch(self._finish_sql, *args, timeout=self._bound),
-                bound=self._bound, generic=True)
-        except OutcomeUnknown as exc:
-            if limit:
-                raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
-            raise
+        rows = await fetch_claiming(self._db, self._finish_sql, args, token=token,
+                                    claims=limit > 0, bound=self._bound)
         statuses: dict[UUID, JobStatus | None] = {}
         claimed: list[ClaimedJob] = []
         for row in rows:
@@ -359,14 +381,8 @@ class PgJobStore:
         its attempt restored (none of them reached an executor), and listening
         workers are woken. Safe to call again.
         """
-        wait_ms = max(1, int(self._bound * 1000 / 2))
-
         async def resolve(conn: asyncpg.Connection) -> int:
-            if claim.backend_pid is not None and claim.backend_pid != conn.get_server_pid():
-                await conn.fetchval(Q.backend_end, claim.backend_pid, wait_ms,
-                                    timeout=self._bound)
-                if await conn.fetchval(Q.backend_alive, claim.backend_pid, timeout=self._bound):
-                    raise TimeoutError(f"server process {claim.backend_pid} has not ended yet")
+            await end_claims_backend(conn, claim, self._bound)
             row = await conn.fetchrow(Q.jobs_unclaim_lost, claim.token,
                                       self._config.stuck_job_mins, self._config.notify_channel,
                                       timeout=self._bound)

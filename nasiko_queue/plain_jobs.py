@@ -22,9 +22,8 @@ import asyncpg
 from ._sql import Q
 from .config import QueueConfig
 from .database import Database
-from .errors import OutcomeUnknown
 from .job_errors import JobError
-from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LostClaim
+from .jobs import ClaimedJob, JobStatus, LostClaim, end_claims_backend, fetch_claiming
 
 log = logging.getLogger("nasiko_queue.jobs")
 
@@ -65,12 +64,8 @@ class PlainJobStore:
         token = uuid.uuid4()
         args = (self.queue, limit, token, self._worker_id(),
                 self._config.max_payload_bytes)
-        try:
-            rows = await self._db.run_bounded(
-                lambda conn: conn.fetch(Q.plain_claim, *args, timeout=self._bound),
-                bound=self._bound, generic=True)
-        except OutcomeUnknown as exc:
-            raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
+        rows = await fetch_claiming(self._db, Q.plain_claim, args, token=token, claims=True,
+                                    bound=self._bound)
         jobs = [_claimed(row, self.queue) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
@@ -86,15 +81,8 @@ class PlainJobStore:
         args = ([j.id for j, _ in finishing], [j.attempt for j, _ in finishing],
                 self.queue, limit, token, self._worker_id(),
                 self._config.max_payload_bytes)
-        try:
-            rows = await self._db.run_bounded(
-                lambda conn: conn.fetch(Q.plain_finish_many_and_claim, *args,
-                                        timeout=self._bound),
-                bound=self._bound, generic=True)
-        except OutcomeUnknown as exc:
-            if limit:
-                raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
-            raise
+        rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
+                                    claims=limit > 0, bound=self._bound)
         statuses: dict[UUID, JobStatus | None] = {}
         claimed: list[ClaimedJob] = []
         for row in rows:
@@ -108,14 +96,8 @@ class PlainJobStore:
 
     async def resolve_lost_claim(self, claim: LostClaim) -> int:
         """As `PgJobStore.resolve_lost_claim`: end the server process, then give back."""
-        wait_ms = max(1, int(self._bound * 1000 / 2))
-
         async def resolve(conn: asyncpg.Connection) -> int:
-            if claim.backend_pid is not None and claim.backend_pid != conn.get_server_pid():
-                await conn.fetchval(Q.backend_end, claim.backend_pid, wait_ms,
-                                    timeout=self._bound)
-                if await conn.fetchval(Q.backend_alive, claim.backend_pid, timeout=self._bound):
-                    raise TimeoutError(f"server process {claim.backend_pid} has not ended yet")
+            await end_claims_backend(conn, claim, self._bound)
             return int(await conn.fetchval(Q.plain_unclaim_lost, claim.token,
                                            timeout=self._bound))
 

@@ -60,6 +60,39 @@ async def test_plain_jobs_example_runs(dsn: str, capsys: pytest.CaptureFixture[s
                                 "sending welcome to b@example.com attempt 1"]
 
 
+async def test_dead_letters_example_runs(dsn: str, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The triage loop retries an hour-old dead email job, and it is waiting again."""
+    import uuid
+
+    from nasiko_queue import QueueConfig, open_database
+
+    async with open_database(dsn) as db:
+        job_id = uuid.uuid4()
+        await db.execute(
+            "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, attempt, "
+            "max_attempts, error_msg, finished_at) VALUES ($1, 'email', 'send_email', "
+            "'{\"kind\": \"send_email\"}', 'discarded', 5, 5, 'SMTPError: refused', "
+            "now() - interval '2 hours')", job_id)
+        await _module("dead letters", monkeypatch).triage(db, QueueConfig())
+        row = await db.fetchrow("SELECT state, attempt FROM nasiko_queue_jobs WHERE id = $1",
+                                job_id)
+    assert (row["state"], row["attempt"]) == ("available", 0)
+    assert capsys.readouterr().out.split() == [str(job_id), "send_email", "SMTPError:",
+                                               "refused", "0"]
+
+
+async def test_cron_example_runs(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's schedules enqueue their ticks (the checks: tests/test_schedules.py)."""
+    from nasiko_queue import Queue, open_database
+
+    from .test_schedules import enqueue_the_readme_ticks, readme_cron_example
+
+    assert _block("cron") == readme_cron_example()
+    async with open_database(dsn) as db:
+        await enqueue_the_readme_ticks(Queue(db), _module("cron", monkeypatch).SCHEDULES)
+
+
 def _setup_commands() -> list[str]:
     """The commands of the README's "Set up" section, each `a && b` split, comments dropped."""
     section = README.read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
