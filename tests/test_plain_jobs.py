@@ -434,3 +434,24 @@ async def test_a_dead_workers_plain_jobs_are_rescued_or_discarded(db: Database) 
     assert [(await plain_row(db, j))["state"] for j in (again, last, asked)] == [
         "completed", "discarded", "cancelled"]
     assert (await plain_row(db, last))["error_msg"] == "the worker running it died"
+
+
+async def test_plain_jobs_enqueued_in_a_transaction_commit_or_vanish_with_it(
+    queue: Queue,
+) -> None:
+    class Rollback(Exception):
+        pass
+
+    with pytest.raises(Rollback):
+        async with queue.db.transaction() as tx:
+            await queue.enqueue_many([Step(n=n) for n in range(3)], tx=tx)
+            await queue.enqueue(Step(n=9), tx=tx, unique=Unique("in-tx"))
+            raise Rollback
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+    async with queue.db.transaction() as tx:
+        ids = await queue.enqueue_many([Step(n=n) for n in range(3)], tx=tx)
+        first = await queue.enqueue(Step(n=9), tx=tx, unique=Unique("in-tx"))
+        # The same transaction sees its own unique job.
+        assert await queue.enqueue(Step(n=10), tx=tx, unique=Unique("in-tx")) == first
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 4
+    assert len(set(ids)) == 3
