@@ -50,6 +50,8 @@ __all__ = [
 
 logger = logging.getLogger("nasiko_queue.payloads")
 
+#: The longest `kind` a payload type may have.
+MAX_KIND_LENGTH: Final = 100
 #: attrs metadata key marking a `Mapping[str, Secret]` field whose values are stored sealed.
 SEALED: Final = "sealed"
 #: attrs metadata key marking a sealed field that the original worker writes in plaintext
@@ -595,6 +597,10 @@ def _check_type(cls: type[AnyPayload]) -> None:
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"{cls.__name__} has no `kind: ClassVar[str]`")
+    if len(kind) > MAX_KIND_LENGTH:
+        # build_jobs_pending_kind (0011) indexes a kind by its first 100 characters.
+        raise TypeError(f"{cls.__name__}.kind is {len(kind)} characters; at most "
+                        f"{MAX_KIND_LENGTH}")
     attrs.resolve_types(cls)
     fields = attrs.fields_dict(cls)
     if "kind" in fields:

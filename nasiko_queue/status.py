@@ -32,6 +32,10 @@ from .payloads import BUILTIN_PAYLOAD_TYPES
 
 #: The partial index that keeps claims cheap (migrations/0001_schema.sql).
 WORK_QUEUE_INDEX = "build_jobs_work_queue"
+#: The other partial index of pending rows (0011, by kind): the planner may take it
+#: instead on a small table, and it serves the claim as well there.
+PENDING_KIND_INDEX = "build_jobs_pending_kind"
+_PENDING_INDEXES = frozenset({WORK_QUEUE_INDEX, PENDING_KIND_INDEX})
 
 #: Below this many rows, reading all of `build_jobs` is what the planner rightly
 #: prefers once the table is analyzed (measured: 5 rows give a Seq Scan, 50 the
@@ -46,7 +50,8 @@ _INDEX_NODES = frozenset({"Index Scan", "Index Only Scan", "Bitmap Index Scan"})
 class ClaimPlan:
     """How PostgreSQL would find the next job to claim."""
 
-    #: The claim reads `build_jobs_work_queue` (an index or bitmap index scan).
+    #: The claim reads a partial index of pending rows (`build_jobs_work_queue`, or
+    #: on a small table `build_jobs_pending_kind`), by an index or bitmap index scan.
     uses_work_queue_index: bool
     #: The node that finds candidate jobs, e.g. "Bitmap Index Scan using
     #: build_jobs_work_queue" or, when the index is not used, "Seq Scan on build_jobs".
@@ -211,10 +216,10 @@ def plan_claim(explained: Any) -> ClaimPlan:
     )
     nodes = list(_nodes(search))
     for node in nodes:
-        if node.get("Node Type") in _INDEX_NODES and node.get("Index Name") == WORK_QUEUE_INDEX:
+        if node.get("Node Type") in _INDEX_NODES and node.get("Index Name") in _PENDING_INDEXES:
             return ClaimPlan(
                 uses_work_queue_index=True,
-                node=f"{node['Node Type']} using {WORK_QUEUE_INDEX}",
+                node=f"{node['Node Type']} using {node['Index Name']}",
             )
     for node in nodes:
         if node.get("Relation Name") == "build_jobs" and "Scan" in node.get("Node Type", ""):

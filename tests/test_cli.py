@@ -199,7 +199,9 @@ def test_status_json_reports_known_rows(runner: CliRunner, dsn: str) -> None:
     plan = data["claim_plan"]
     assert plan["uses_work_queue_index"] is True
     assert plan["warning"] is False
-    assert plan["node"].endswith("using build_jobs_work_queue")
+    # Either partial index of pending rows (0001, 0011): on a table this small
+    # the planner may take either.
+    assert plan["node"].endswith(("using build_jobs_work_queue", "using build_jobs_pending_kind"))
 
 
 def test_status_threshold_is_an_option(runner: CliRunner, dsn: str) -> None:
@@ -228,6 +230,7 @@ async def test_queue_status_without_the_cli(db: Database, queue: Queue) -> None:
 
 async def test_status_notices_a_claim_without_the_index(db: Database) -> None:
     await db.execute("DROP INDEX build_jobs_work_queue")
+    await db.execute("DROP INDEX build_jobs_pending_kind")
     plan = (await queue_status(db)).claim_plan
     assert not plan.uses_work_queue_index
     assert plan.node == "Seq Scan on build_jobs"

@@ -305,3 +305,18 @@ async def test_a_worker_of_some_kinds_drains_them_through_the_batched_finish(
         assert (await job_row(queue.db, job.job_id) or {})["status"] == "done"
     for job in uploads:
         assert (await job_row(queue.db, job.job_id) or {})["status"] == "pending"
+
+
+async def test_a_row_with_an_enormous_kind_is_stored_and_claimed_as_unknown(
+    queue: Queue,
+) -> None:
+    """Another writer's payload whose "kind" is 32,000 characters: the index of
+    0011 holds only its first 100, so the row is stored (an index entry over 8 kB
+    would refuse the insert) and a replica of some kinds claims it, to fail it."""
+    [job_id] = await _pending_rows(queue, ["Update"])
+    await queue.db.execute(  # random text: it does not compress below the limit
+        "UPDATE build_jobs SET payload = jsonb_build_object('kind', (SELECT string_agg("
+        "md5(random()::text), '') FROM generate_series(1, 1000))) WHERE id = $1", job_id)
+    store = PgJobStore(queue.db, queue.config, runnable_kinds=frozenset({"Update"}),
+                       known_kinds=frozenset(KINDS))
+    assert [j.id for j in await store.claim(1)] == [job_id]

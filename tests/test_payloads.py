@@ -496,3 +496,15 @@ def test_round_trip(payload: Payload) -> None:
         is_sealed_token(v.reveal()) for v in env.values()
     ):
         assert compat.decode(json.loads(dumps(compat.encode(payload)))) == payload
+
+
+def test_a_kind_is_at_most_100_characters() -> None:
+    """build_jobs_pending_kind (0011) indexes a kind by its first 100 characters."""
+    from nasiko_queue import JobArgs, PayloadCodec
+
+    @attrs.frozen
+    class Long(JobArgs):
+        kind: ClassVar[str] = "k" * 101
+
+    with pytest.raises(TypeError, match="at most 100"):
+        PayloadCodec(types=[Long])

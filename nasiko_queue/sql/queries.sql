@@ -50,7 +50,8 @@ RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
 -- arguments, the same result): through build_jobs_pending_kind (0011), the
 -- oldest pending rows of each kind it runs ($2) and of each kind present that no
 -- payload type knows (not in $3, found by a loose index scan: one probe per kind
--- present; a payload with no kind counts as the unknown kind ''), each taken with
+-- present; a payload with no kind counts as the unknown kind '', and a kind is
+-- its first 100 characters, which keeps the index's entries small), each taken with
 -- SKIP LOCKED, then the oldest $1 of those (the others are unlocked as the
 -- statement ends). Its cost follows the kinds this replica runs, not the backlog
 -- of the kinds it leaves to others. A replica that runs every known kind uses
@@ -60,13 +61,13 @@ SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_to
     claimed_by = $6
 WHERE j.id = ANY (ARRAY(
     WITH RECURSIVE present AS (
-        (SELECT coalesce(payload ->> 'kind', '') AS kind FROM build_jobs
+        (SELECT left(coalesce(payload ->> 'kind', ''), 100) AS kind FROM build_jobs
          WHERE status = 'pending'
-         ORDER BY coalesce(payload ->> 'kind', '') LIMIT 1)
+         ORDER BY left(coalesce(payload ->> 'kind', ''), 100) LIMIT 1)
         UNION ALL
-        SELECT (SELECT coalesce(b.payload ->> 'kind', '') FROM build_jobs AS b
-                WHERE b.status = 'pending' AND coalesce(b.payload ->> 'kind', '') > present.kind
-                ORDER BY coalesce(b.payload ->> 'kind', '') LIMIT 1)
+        SELECT (SELECT left(coalesce(b.payload ->> 'kind', ''), 100) FROM build_jobs AS b
+                WHERE b.status = 'pending' AND left(coalesce(b.payload ->> 'kind', ''), 100) > present.kind
+                ORDER BY left(coalesce(b.payload ->> 'kind', ''), 100) LIMIT 1)
         FROM present WHERE present.kind IS NOT NULL
     ), wanted AS (
         SELECT k.kind FROM unnest($2::text[]) AS k(kind)
@@ -76,7 +77,7 @@ WHERE j.id = ANY (ARRAY(
     SELECT p.id
     FROM wanted CROSS JOIN LATERAL (
         SELECT id, created_at FROM build_jobs
-        WHERE status = 'pending' AND coalesce(payload ->> 'kind', '') = wanted.kind
+        WHERE status = 'pending' AND left(coalesce(payload ->> 'kind', ''), 100) = wanted.kind
         ORDER BY created_at LIMIT $1
         FOR UPDATE SKIP LOCKED) AS p
     ORDER BY p.created_at
@@ -547,14 +548,14 @@ WITH input AS (
         claimed_by = $11
     WHERE j.id = ANY (ARRAY(  -- as in job_claim_kinds
         WITH RECURSIVE present AS (
-            (SELECT coalesce(payload ->> 'kind', '') AS kind FROM build_jobs
+            (SELECT left(coalesce(payload ->> 'kind', ''), 100) AS kind FROM build_jobs
              WHERE status = 'pending'
-             ORDER BY coalesce(payload ->> 'kind', '') LIMIT 1)
+             ORDER BY left(coalesce(payload ->> 'kind', ''), 100) LIMIT 1)
             UNION ALL
-            SELECT (SELECT coalesce(b.payload ->> 'kind', '') FROM build_jobs AS b
+            SELECT (SELECT left(coalesce(b.payload ->> 'kind', ''), 100) FROM build_jobs AS b
                     WHERE b.status = 'pending'
-                      AND coalesce(b.payload ->> 'kind', '') > present.kind
-                    ORDER BY coalesce(b.payload ->> 'kind', '') LIMIT 1)
+                      AND left(coalesce(b.payload ->> 'kind', ''), 100) > present.kind
+                    ORDER BY left(coalesce(b.payload ->> 'kind', ''), 100) LIMIT 1)
             FROM present WHERE present.kind IS NOT NULL
         ), wanted AS (
             SELECT k.kind FROM unnest($7::text[]) AS k(kind)
@@ -564,7 +565,7 @@ WITH input AS (
         SELECT p.id
         FROM wanted CROSS JOIN LATERAL (
             SELECT id, created_at FROM build_jobs
-            WHERE status = 'pending' AND coalesce(payload ->> 'kind', '') = wanted.kind
+            WHERE status = 'pending' AND left(coalesce(payload ->> 'kind', ''), 100) = wanted.kind
             ORDER BY created_at LIMIT $6
             FOR UPDATE SKIP LOCKED) AS p
         ORDER BY p.created_at
