@@ -442,11 +442,14 @@ async def test_plain_jobs_enqueued_in_a_transaction_commit_or_vanish_with_it(
     class Rollback(Exception):
         pass
 
-    with pytest.raises(Rollback):
+    async def enqueue_then_roll_back() -> None:
         async with queue.db.transaction() as tx:
             await queue.enqueue_many([Step(n=n) for n in range(3)], tx=tx)
             await queue.enqueue(Step(n=9), tx=tx, unique=Unique("in-tx"))
             raise Rollback
+
+    with pytest.raises(Rollback):
+        await enqueue_then_roll_back()
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
     async with queue.db.transaction() as tx:
         ids = await queue.enqueue_many([Step(n=n) for n in range(3)], tx=tx)
