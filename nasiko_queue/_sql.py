@@ -98,6 +98,7 @@ class Queries:
     jobs_rescue: str
     workers_prune_dead: str
     workers_list: str
+    plain_queue_counts: str
     plain_insert: str
     plain_insert_notify: str
     plain_unique_holder: str

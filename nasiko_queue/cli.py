@@ -607,6 +607,19 @@ def _render_status(console: Console, status: QueueStatus) -> None:
                         ", ".join(w.roles) or "-")
     console.print(workers)
 
+    if status.queues:
+        queues = Table(title="queues of plain jobs")
+        columns = ("available", "scheduled", "running", "completed", "discarded", "cancelled")
+        queues.add_column("queue")
+        for column in columns:
+            queues.add_column(column, justify="right")
+        queues.add_column("oldest due")
+        for q in status.queues:
+            age = q.oldest_available_age
+            queues.add_row(escape(q.queue), *(str(getattr(q, c)) for c in columns),
+                           "-" if age is None else _duration(age))
+        console.print(queues)
+
     style = "bold yellow" if status.claim_plan.is_warning else "green"
     console.print(f"[{style}]{escape(status.claim_plan.describe())}[/]")
 

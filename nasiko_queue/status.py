@@ -77,6 +77,26 @@ class ClaimPlan:
 
 
 @attrs.frozen(kw_only=True)
+class QueueCounts:
+    """One queue of plain jobs (`nasiko_queue_jobs`) at one moment."""
+
+    queue: str
+    #: Waiting and due now; waiting for their `run_at`; being run.
+    available: int
+    scheduled: int
+    running: int
+    #: Ended: done; discarded (the dead letters); cancelled.
+    completed: int
+    discarded: int
+    cancelled: int
+    #: Seconds the oldest due job has waited (None when none is due).
+    oldest_available_age: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
 class WorkerRow:
     """One registered worker, live or dead."""
 
@@ -112,7 +132,8 @@ class WorkerRow:
 
 @attrs.frozen(kw_only=True)
 class QueueStatus:
-    """The queue at one moment; every count covers the whole `build_jobs` table."""
+    """The queue at one moment: the counts of `build_jobs` (the whole table),
+    its workers, and the queues of plain jobs."""
 
     #: Jobs per status, all four statuses present (zero when none).
     counts: Mapping[str, int]
@@ -131,6 +152,8 @@ class QueueStatus:
     claim_plan: ClaimPlan
     #: Every registered worker (live, then dead ones not yet forgotten).
     workers: tuple[WorkerRow, ...] = ()
+    #: Every queue of plain jobs that holds a job, by name.
+    queues: tuple[QueueCounts, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (timestamps in ISO 8601) for `status --json`."""
@@ -152,12 +175,13 @@ class QueueStatus:
                 "description": self.claim_plan.describe(),
             },
             "workers": [w.to_json() for w in self.workers],
+            "queues": [q.to_json() for q in self.queues],
         }
 
 
 async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) -> QueueStatus:
     """
-    Gather a `QueueStatus` (five reads and one ``EXPLAIN``; nothing is written).
+    Gather a `QueueStatus` (six reads and one ``EXPLAIN``; nothing is written).
 
     Raises whatever the database raises, e.g. `asyncpg.UndefinedTableError`
     when the schema is not migrated.
@@ -182,6 +206,7 @@ async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) ->
             heartbeat_age=r["heartbeat_age"], lease_secs=r["lease_secs"], alive=r["alive"],
             dead_at=r["dead_at"], roles=tuple(r["roles"]), holding=r["holding"],
         ) for r in await db.fetch(Q.workers_list)),
+        queues=tuple(QueueCounts(**dict(r)) for r in await db.fetch(Q.plain_queue_counts)),
     )
 
 

@@ -34,7 +34,15 @@ import trio
 from click.testing import CliRunner, Result
 from rich.console import Console
 
-from nasiko_queue import Database, Executors, Queue, QueueConfig, SecretBox, open_database
+from nasiko_queue import (
+    Database,
+    Executors,
+    JobOptions,
+    Queue,
+    QueueConfig,
+    SecretBox,
+    open_database,
+)
 from nasiko_queue.cli import load_executors, main
 from nasiko_queue.demo import DemoLog, SimulatedCrash, run_demo
 from nasiko_queue.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
@@ -182,6 +190,31 @@ async def _known_rows(db: Database) -> None:
     await db.execute(
         "UPDATE build_jobs SET created_at = now() - interval '10 minutes' WHERE id=$1",
         old_pending)
+
+
+def test_status_counts_each_queue_of_plain_jobs(runner: CliRunner, dsn: str) -> None:
+    from tests.cli_executors import Ping
+
+    async def rows(db: Database) -> None:
+        queue = Queue(db, config=FAST)
+        await queue.enqueue(Ping(n=1))
+        await queue.enqueue(Ping(n=2), delay=3600)
+        waiting = await queue.enqueue(Ping(n=3), options=JobOptions(queue="other"))
+        await db.execute("UPDATE nasiko_queue_jobs SET run_at = now() - interval '90 seconds' "
+                         "WHERE id = $1", waiting)
+        gone = await queue.enqueue(Ping(n=4), options=JobOptions(queue="other"))
+        assert await queue.cancel(gone) == "cancelled"
+
+    with_db(dsn, rows)
+    result = invoke(runner, "status", "--dsn", dsn, "--json")
+    assert result.exit_code == 0, result.output
+    queues = {q["queue"]: q for q in json.loads(result.stdout)["queues"]}
+    assert {name: (q["available"], q["scheduled"], q["cancelled"])
+            for name, q in queues.items()} == {"pings": (1, 1, 0), "other": (1, 0, 1)}
+    assert 90 <= queues["other"]["oldest_available_age"] < 150
+    table = invoke(runner, "status", "--dsn", dsn)
+    assert "queues of plain jobs" in table.stdout
+    assert "pings" in table.stdout
 
 
 def test_status_json_reports_known_rows(runner: CliRunner, dsn: str) -> None:

@@ -767,9 +767,27 @@ SELECT w.id, w.host, w.pid, w.kinds, w.started_at, w.heartbeat_at, w.lease_secs,
        coalesce((SELECT array_agg(l.role) FROM nasiko_queue_leaders AS l
                  WHERE l.worker_id = w.id AND l.expires_at >= now()), '{}') AS roles,
        (SELECT count(*) FROM build_jobs AS j
-        WHERE j.claimed_by = w.id AND j.status = 'in_progress') AS holding
+        WHERE j.claimed_by = w.id AND j.status = 'in_progress')
+       + (SELECT count(*) FROM nasiko_queue_jobs AS p
+          WHERE p.claimed_by = w.id AND p.state = 'running') AS holding
 FROM nasiko_queue_workers AS w
 ORDER BY w.started_at;
+
+-- name: plain_queue_counts
+-- `status`: per queue of plain jobs, how many are due, scheduled for later,
+-- running, and ended each way, and how long the oldest due one has waited.
+SELECT queue,
+       count(*) FILTER (WHERE state = 'available' AND run_at <= now()) AS available,
+       count(*) FILTER (WHERE state = 'available' AND run_at > now()) AS scheduled,
+       count(*) FILTER (WHERE state = 'running') AS running,
+       count(*) FILTER (WHERE state = 'completed') AS completed,
+       count(*) FILTER (WHERE state = 'discarded') AS discarded,
+       count(*) FILTER (WHERE state = 'cancelled') AS cancelled,
+       extract(epoch FROM now() - min(run_at) FILTER (
+           WHERE state = 'available' AND run_at <= now()))::float8 AS oldest_available_age
+FROM nasiko_queue_jobs
+GROUP BY queue
+ORDER BY queue;
 
 -- The statements below keep and read the errors of crashed attempts (migration 0009).
 
