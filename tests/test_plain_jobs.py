@@ -6,6 +6,7 @@ table of their own, which the original worker's claim never sees.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from nasiko_queue import (
     PlainJobContext,
     Queue,
     QueueConfig,
+    Secret,
     Unique,
     Update,
     Worker,
@@ -458,3 +460,43 @@ async def test_plain_jobs_enqueued_in_a_transaction_commit_or_vanish_with_it(
         assert await queue.enqueue(Step(n=10), tx=tx, unique=Unique("in-tx")) == first
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 4
     assert len(set(ids)) == 3
+
+
+@attrs.frozen(kw_only=True)
+class CallTool(JobArgs):
+    """A plain job with a sealed field, as an application would write one."""
+
+    kind: ClassVar[str] = "call_tool"
+    tool: str
+    credentials: Mapping[str, Secret] = attrs.field(
+        factory=dict, hash=False, metadata={"sealed": True})
+
+
+async def test_a_plain_jobs_secrets_are_sealed_at_rest_and_masked_in_its_errors(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = "sk-live-8c1f0e2a77"
+    executors = Executors()
+    seen: list[str] = []
+
+    @executors.register(CallTool, backoff=no_backoff)
+    async def call(ctx: PlainJobContext[CallTool]) -> None:
+        seen.append(ctx.payload.credentials["API_KEY"].reveal())
+        raise PermissionError(f"tool refused key {ctx.payload.credentials['API_KEY'].reveal()}")
+
+    job_id = await queue.enqueue(CallTool(tool="search", credentials={"API_KEY": Secret(token)}),
+                                 options=JobOptions(max_attempts=1))
+    stored = await queue.db.fetchval("SELECT payload::text FROM nasiko_queue_jobs WHERE id = $1",
+                                     job_id)
+    assert token not in stored
+    assert '"API_KEY": "nq1:' in stored
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.failed >= 1)
+    assert seen == [token]  # opened for the executor
+    [error] = await job_errors(queue.db, job_id)
+    assert error.message == "tool refused key ********"
+    assert token not in error.traceback
+    row = await plain_row(queue.db, job_id)
+    assert token not in row["error_msg"]
+    assert token not in caplog.text
