@@ -16,20 +16,26 @@ Shape (docs/rules.md §5, §8)::
                         the database decides who enqueues each tick), and the
                         `Listener` (LISTEN on a dedicated connection; every
                         notification is a wake)
-      nursery "work":   the `Producer` (claims into the local buffer, carrying the
-                        `Completer`'s queued finishes on each statement; gives
-                        back what never started; resolves lost claims) and
-                        `concurrency` slots (`JobExecutor.run_slot`: each runs one
-                        job at a time, its executor in a child nursery whose
-                        exceptions feed `reset_panicked_job`)
-      the drain loop:   start a drain; wait for it to end; then wait for a wake
-                        (the wake channel, capacity 64) or the poll timeout (5 s,
-                        re-armed after every drain); coalesce the wakes that piled
-                        up; drain again
+      nursery "work":   one `Lane` per source of jobs: the build jobs (when it
+                        has build executors), and each queue of plain jobs it
+                        runs. Each lane has its `Producer` (claims into the
+                        lane's local buffer, carrying the `Completer`'s queued
+                        finishes on each statement; gives back what never
+                        started; resolves lost claims) and its slots
+                        (`Slots.run_slot`: each runs one job at a time, its
+                        executor in a child nursery whose exceptions feed
+                        `reset_panicked_job`)
+      the drain loop:   start a drain in every lane; wait for them to end; read
+                        when each queue's next scheduled job is due; then wait
+                        for a wake (the wake channel, capacity 64), the poll
+                        timeout (5 s, re-armed after every drain) or the next
+                        due job, whichever comes first; coalesce the wakes that
+                        piled up; drain again
 
-A drain claims jobs until a claim comes back short, never more at once than the
-slots and the prefetch buffer have room for (`QueueConfig.concurrency`, 1 as in
-the original, plus `QueueConfig.prefetch`, 0 as in the original).
+A drain claims jobs until a claim comes back short, never more at once than a
+lane's slots and prefetch buffer have room for (for the build lane
+`QueueConfig.concurrency`, 1 as in the original, plus `QueueConfig.prefetch`, 0
+as in the original; for a queue, its own concurrency from `QueueConfig.queues`).
 
 Stopping: `stop()` (or closing every send side of the wake channel) lets the
 running executors finish, records their outcomes, gives back what the buffer
