@@ -21,8 +21,8 @@ compares every row with the model and checks the invariants:
 * at most one job per unique key among the jobs in that key's states;
 * a cancelled job never runs again.
 
-Settings: the profiles of `machine.py` (``nasiko-ci`` by default), with the
-examples and steps scaled down by `PLAIN_BUDGET` so the normal run stays short.
+Settings: the profiles of `machine.py` (``nasiko-ci`` by default), with fewer
+and longer examples (`plain_profile`).
 
 .. versionadded:: 0.2.0
 """
@@ -98,13 +98,16 @@ PLAIN_CONFIG = QueueConfig(
     retry_max_delay=0.05,
 )
 
-#: Moves run_at (and attempted_at, so that a backoff window keeps its width) of
-#: every waiting job back by $1 seconds: time passes for the schedule.
-AGE_WAITING = """
+#: Moves run_at and attempted_at of every job back by $1 seconds: time passes
+#: for the schedule. Every row, not only the waiting ones: a job a dead worker
+#: holds keeps its run_at when the rescue gives it back, and must then be due
+#: (and ordered) as the model says; attempted_at moves with it, so that a
+#: crashed job's backoff window keeps its width (and a claim only gets older,
+#: which the rescue's lease check allows).
+AGE_JOBS = """
 UPDATE nasiko_queue_jobs
 SET run_at = run_at - make_interval(secs => $1::double precision),
     attempted_at = attempted_at - make_interval(secs => $1::double precision)
-WHERE state = 'available'
 """
 
 #: `testing_worker_expire` moves a dead worker's build claims back with its
@@ -163,6 +166,18 @@ class JobSpec:
     plan: tuple[Run, ...]
     #: Enqueued on a queue no worker of the machine runs.
     elsewhere: bool
+
+
+def _job_specs(*, due: bool = False) -> st.SearchStrategy[JobSpec]:
+    return st.builds(
+        JobSpec,
+        priority=st.sampled_from((0, 1, -1)),
+        delay=st.just(0) if due else st.sampled_from((0, 2 * TICK, 60 * TICK)),
+        key=st.sampled_from(KEYS), key_states=st.sampled_from(KEY_STATES),
+        max_attempts=st.sampled_from((3, 1, 2)),
+        plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG)),
+                      max_size=3).map(tuple),
+        elsewhere=st.just(False) if due else st.sampled_from((False, False, True)))
 
 
 @attrs.frozen(kw_only=True)
@@ -279,18 +294,16 @@ class PlainStateMachine(RuleBasedStateMachine):
 
     # -- rules: the application --------------------------------------------------------
 
-    @rule(jobs=st.lists(st.builds(
-        JobSpec,
-        priority=st.sampled_from((0, 1, -1)),
-        delay=st.sampled_from((0, 0, 0, 2 * TICK, 60 * TICK)),
-        key=st.sampled_from(KEYS), key_states=st.sampled_from(KEY_STATES),
-        max_attempts=st.sampled_from((3, 1, 2)),
-        plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG)),
-                      max_size=3).map(tuple),
-        elsewhere=st.sampled_from((False,) * 5 + (True,))), min_size=1, max_size=4))
+    @rule(jobs=st.lists(_job_specs(), min_size=1, max_size=4))
     def enqueue(self, jobs: list[JobSpec]) -> None:
         """Jobs, one enqueue each; a unique one whose key is held must answer the
         holder's id."""
+        for spec in jobs:
+            self._enqueue(spec)
+
+    @rule(jobs=st.lists(_job_specs(due=True), min_size=1, max_size=4))
+    def enqueue_due(self, jobs: list[JobSpec]) -> None:
+        """Jobs due now on the queue the workers run (so that drains have work)."""
         for spec in jobs:
             self._enqueue(spec)
 
@@ -312,8 +325,8 @@ class PlainStateMachine(RuleBasedStateMachine):
 
     @rule(ticks=st.sampled_from((1, 2, 60)))
     def advance_time(self, ticks: int) -> None:
-        """Time passes for every waiting job (its run_at moved back in SQL)."""
-        self._call(self.env.db.execute, AGE_WAITING, float(ticks * TICK))
+        """Time passes (every run_at moved back in SQL, never a sleep)."""
+        self._call(self.env.db.execute, AGE_JOBS, float(ticks * TICK))
         self.model.advance(ticks * TICK)
 
     @precondition(lambda self: bool(self.model.jobs))
@@ -419,15 +432,22 @@ class PlainStateMachine(RuleBasedStateMachine):
             waiting.start_soon(watch_hang)
         return drained
 
-    @rule()
-    def worker_dies(self) -> None:
+    @precondition(lambda self: self.model.next_due(QUEUE) is not None)
+    @rule(cancelled=st.booleans())
+    def worker_dies(self, cancelled: bool) -> None:
         """A registered worker claims the next due job and dies (SIGKILL): the row
-        stays running, held by a worker that no longer heartbeats."""
+        stays running, held by a worker that no longer heartbeats. With
+        `cancelled`, the application cancels the job at once (it is running:
+        "cancelling"; the rescue must end it cancelled)."""
         claimed = self._call(self._claim_and_die)
         assert self.dead
         expected = self.model.claim_and_die(list(self.dead)[-1], QUEUE)
-        assert claimed == (expected.id if expected else None), (
-            f"the claim took {claimed}; the model says {expected.id if expected else None}")
+        assert expected is not None
+        assert claimed == expected.id, (
+            f"the claim took {claimed}; the model (priority, then run_at) says {expected.id}")
+        if cancelled:
+            answer = self._call(self.queue.cancel, expected.id)
+            assert answer == self.model.cancel(expected.id) == "cancelling", answer
 
     async def _claim_and_die(self) -> UUID | None:
         store = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
@@ -503,15 +523,18 @@ def _diff(actual: dict[Any, Any], expected: dict[Any, Any]) -> str:
     return "\n".join(lines)
 
 
-#: The share of the profile's examples the plain machine runs (its steps start a
-#: worker each; the full `nasiko-ci` budget would take minutes).
-PLAIN_BUDGET = 1.0
+#: The plain machine's budget, from the chosen profile's: fewer examples, each of
+#: more steps (a crash on a last attempt takes an enqueue, a drain, time passing
+#: and another drain; every step starts a worker, so the examples are fewer).
+PLAIN_EXAMPLES = 0.6
+PLAIN_STEPS = 5 / 3
 
 
 def plain_profile() -> settings:
-    """`machine.profile()` scaled by `PLAIN_BUDGET`."""
+    """`machine.profile()` (``nasiko-ci``: 30 examples of up to 50 steps here)."""
     base = profile()
-    return settings(base, max_examples=max(1, int(base.max_examples * PLAIN_BUDGET)))
+    return settings(base, max_examples=max(1, int(base.max_examples * PLAIN_EXAMPLES)),
+                    stateful_step_count=int(base.stateful_step_count * PLAIN_STEPS))
 
 
 async def run_plain_state_machine(

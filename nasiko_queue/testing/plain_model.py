@@ -27,7 +27,7 @@ from uuid import UUID
 import attrs
 
 #: Every delay, backoff and advance of the clock is a multiple of this (seconds).
-TICK = 10
+TICK = 60
 
 AVAILABLE = "available"
 RUNNING = "running"
