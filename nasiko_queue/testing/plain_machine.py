@@ -433,12 +433,13 @@ class PlainStateMachine(RuleBasedStateMachine):
         return drained
 
     @precondition(lambda self: self.model.next_due(QUEUE) is not None)
-    @rule(cancelled=st.booleans())
-    def worker_dies(self, cancelled: bool) -> None:
+    @rule(cancelled=st.booleans(), rescued=st.booleans())
+    def worker_dies(self, cancelled: bool, rescued: bool) -> None:
         """A registered worker claims the next due job and dies (SIGKILL): the row
         stays running, held by a worker that no longer heartbeats. With
         `cancelled`, the application cancels the job at once (it is running:
-        "cancelling"; the rescue must end it cancelled)."""
+        "cancelling"; the rescue must end it cancelled); with `rescued`, the
+        rescue runs at once (else at a later `rescue` step)."""
         claimed = self._call(self._claim_and_die)
         assert self.dead
         expected = self.model.claim_and_die(list(self.dead)[-1], QUEUE)
@@ -448,6 +449,8 @@ class PlainStateMachine(RuleBasedStateMachine):
         if cancelled:
             answer = self._call(self.queue.cancel, expected.id)
             assert answer == self.model.cancel(expected.id) == "cancelling", answer
+        if rescued:
+            self.rescue()
 
     async def _claim_and_die(self) -> UUID | None:
         store = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
