@@ -7,6 +7,9 @@ Testing support: helpers that play the application's part, and a model of docs/r
 * `nasiko_queue.testing.machine`: the Hypothesis state machine that drives the
   real engine against the model (needs ``hypothesis``: ``pip install
   nasiko-queue[test]``).
+* `nasiko_queue.testing.plain_model` and `nasiko_queue.testing.plain_machine`:
+  the same for plain jobs (`PlainModel`: states, attempts, priority and run_at
+  order, backoff, unique keys, cancel, the rescue; and its state machine).
 
 .. versionadded:: 0.1.0
 """

@@ -1,0 +1,562 @@
+"""
+A Hypothesis state machine that drives the real engine's plain jobs against
+`PlainModel`.
+
+Every step does something to the queue — enqueue a job (a priority, a delay,
+a unique key, how many attempts, what each run does), let time pass (the
+rows' run_at moved back in SQL, never a sleep), let a real `Worker` drain the
+queue (a hung run cancelled through `Queue.cancel` and the worker's
+heartbeat, or the worker stopped hard), cancel a job, have a registered worker
+claim a job and die, run the leader's rescue, retry a dead job — and then
+compares every row with the model and checks the invariants:
+
+* every row's state and attempt are the model's, and an available job is due
+  exactly when the model says so;
+* each drain runs the jobs the model says, in its order (priority, then
+  run_at), and no run starts before its job's run_at or while a due job of a
+  lower priority number waits in its queue (checked by the executor itself,
+  in the database, at the start of each run);
+* a crashed job's run_at lies in its backoff window (the machine's backoff
+  is deterministic: `plain_model.backoff`);
+* at most one job per unique key among the jobs in that key's states;
+* a cancelled job never runs again.
+
+Settings: the profiles of `machine.py` (``nasiko-ci`` by default), with fewer
+and longer examples (`plain_profile`).
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, ClassVar, TypeVar
+from uuid import UUID
+
+import attrs
+import trio
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from .._sql import Q
+from ..config import QueueConfig
+from ..database import Database, open_database
+from ..executors import Executors, PlainJobContext
+from ..job_args import JobArgs, JobOptions, Unique
+from ..jobs import PgJobStore, WorkerIdentity
+from ..plain_jobs import PlainJobStore
+from ..queue import Queue
+from ..state import WorkerStats
+from ..worker import Worker
+from .machine import profile
+from .plain_model import (
+    AVAILABLE,
+    CANCELLED,
+    DISCARDED,
+    TICK,
+    WAITING_OR_RUNNING,
+    OnHang,
+    PlainModel,
+    Run,
+    backoff,
+)
+
+T = TypeVar("T")
+
+#: The queue the machine's workers run, and one no worker runs (never claimed).
+QUEUE = "default"
+OTHER_QUEUE = "elsewhere"
+#: Unique keys drawn (None: not unique), and the states they are unique within.
+KEYS = (None, None, "a", "b")
+KEY_STATES = (WAITING_OR_RUNNING, WAITING_OR_RUNNING | {"completed"})
+#: Examples run so far in this process, by machine class name (mutation tests
+#: report how many it took to find their bug).
+EXAMPLES: Counter[str] = Counter()
+#: Seconds a crash's retry may come after its claim (the window's upper slack).
+RETRY_SLACK = 5.0
+
+#: The worker's configuration: one slot on the machine's queue, no build lane,
+#: no maintenance of its own (the machine plays the leader), slow polls.
+PLAIN_CONFIG = QueueConfig(
+    queues={QUEUE: 1},
+    builds=False,
+    maintenance=False,
+    poll_interval=60.0,
+    recovery_interval=3600.0,
+    retry_initial_delay=0.01,
+    retry_max_delay=0.05,
+)
+
+#: Moves run_at and attempted_at of every job back by $1 seconds: time passes
+#: for the schedule. Every row, not only the waiting ones: a job a dead worker
+#: holds keeps its run_at when the rescue gives it back, and must then be due
+#: (and ordered) as the model says; attempted_at moves with it, so that a
+#: crashed job's backoff window keeps its width (and a claim only gets older,
+#: which the rescue's lease check allows).
+AGE_JOBS = """
+UPDATE nasiko_queue_jobs
+SET run_at = run_at - make_interval(secs => $1::double precision),
+    attempted_at = attempted_at - make_interval(secs => $1::double precision)
+"""
+
+#: `testing_worker_expire` moves a dead worker's build claims back with its
+#: heartbeat; this does the same for its plain claims (the rescue takes only
+#: jobs claimed before the worker's lease ended).
+AGE_PLAIN_CLAIMS = """
+UPDATE nasiko_queue_jobs SET attempted_at = attempted_at - interval '1 minute'
+WHERE claimed_by = $1 AND state = 'running'
+"""
+
+#: PLACEHOLDER for the dead-letter queue's retry (being built on another branch):
+#: what a retry of a dead job must do, in plain SQL. Replace with the real API
+#: call once it lands; the model's `retry_dead` is the rule it must follow.
+DLQ_RETRY = """
+UPDATE nasiko_queue_jobs
+SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
+    error_msg = NULL, claimed_by = NULL, claim_token = NULL, cancel_requested = false
+WHERE id = $1 AND state = 'discarded'
+RETURNING id
+"""
+
+#: At the start of a run: was this job due when claimed, and did a due job with a
+#: lower priority number wait in its queue then? (One slot: nothing else moves.)
+CLAIM_CHECK = """
+SELECT j.run_at <= j.attempted_at AS was_due,
+       (SELECT count(*) FROM nasiko_queue_jobs AS o
+        WHERE o.queue = j.queue AND o.state = 'available' AND o.run_at <= j.attempted_at
+          AND o.priority < j.priority) AS higher_waiting
+FROM nasiko_queue_jobs AS j WHERE j.id = $1
+"""
+
+#: Unique keys held by more than one job (in the states each is unique within).
+DUPLICATE_KEYS = """
+SELECT unique_key, count(*) AS n FROM nasiko_queue_jobs
+WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+GROUP BY unique_key HAVING count(*) > 1
+"""
+
+SNAPSHOT = """
+SELECT id, state, attempt, CASE WHEN state = 'available' THEN run_at <= now() END AS due,
+       extract(epoch FROM run_at - attempted_at)::double precision AS waits
+FROM nasiko_queue_jobs
+"""
+
+
+@attrs.frozen(kw_only=True)
+class JobSpec:
+    """One job the machine enqueues: its options, its schedule, what its runs do."""
+
+    priority: int
+    #: Seconds from now until it is due (a multiple of TICK).
+    delay: int
+    key: str | None
+    key_states: frozenset[str]
+    max_attempts: int
+    plan: tuple[Run, ...]
+    #: Enqueued on a queue no worker of the machine runs.
+    elsewhere: bool
+
+
+def _job_specs(*, due: bool = False) -> st.SearchStrategy[JobSpec]:
+    return st.builds(
+        JobSpec,
+        priority=st.sampled_from((0, 1, -1)),
+        delay=st.just(0) if due else st.sampled_from((0, 2 * TICK, 60 * TICK)),
+        key=st.sampled_from(KEYS), key_states=st.sampled_from(KEY_STATES),
+        max_attempts=st.sampled_from((3, 1, 2)),
+        plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG)),
+                      max_size=3).map(tuple),
+        elsewhere=st.just(False) if due else st.sampled_from((False, False, True)))
+
+
+@attrs.frozen(kw_only=True)
+class MachineTask(JobArgs):
+    """The machine's one job type: its runs do what `PlainWorld.plans` says."""
+
+    kind: ClassVar[str] = "plain_machine_task"
+    options: ClassVar[JobOptions] = JobOptions(queue=QUEUE, max_attempts=3)
+    n: int
+
+
+class SimulatedCrash(Exception):
+    """What a run planned to `Run.RAISE` raises."""
+
+
+class PlainWorld:
+    """What each run of each job does, and a record of every run."""
+
+    def __init__(self) -> None:
+        self.plans: dict[UUID, tuple[Run, ...]] = {}
+        self.runs: Counter[UUID] = Counter()
+        #: The jobs run in this drain, in order.
+        self.log: list[UUID] = []
+        #: Runs that started although their job was not due, or while a due job
+        #: of a lower priority number waited in the queue.
+        self.bad_claims: list[str] = []
+        self.hung = trio.Event()
+        self.hung_job: UUID | None = None
+
+    def new_drain(self) -> None:
+        self.log = []
+        self.rearm()
+
+    def rearm(self) -> None:
+        self.hung = trio.Event()
+        self.hung_job = None
+
+    async def begin(self, ctx: PlainJobContext[Any]) -> Run:
+        self.runs[ctx.job_id] += 1
+        self.log.append(ctx.job_id)
+        row = await ctx.db.fetchrow(CLAIM_CHECK, ctx.job_id)
+        if row is not None and not row["was_due"]:
+            self.bad_claims.append(f"job {ctx.job_id} ran before its run_at")
+        if row is not None and row["higher_waiting"]:
+            self.bad_claims.append(f"job {ctx.job_id} ran while {row['higher_waiting']} due "
+                                   "job(s) of a lower priority number waited")
+        plan = self.plans.get(ctx.job_id, ())
+        return plan[ctx.attempt - 1] if ctx.attempt <= len(plan) else Run.RETURN
+
+    async def hang(self, job_id: UUID) -> None:
+        self.hung_job = job_id
+        self.hung.set()
+        await trio.sleep_forever()
+
+
+def plain_executors(world: PlainWorld) -> Executors:
+    executors = Executors()
+
+    async def run(ctx: PlainJobContext[MachineTask]) -> None:
+        outcome = await world.begin(ctx)
+        if outcome is Run.RAISE:
+            raise SimulatedCrash(f"planned crash on attempt {ctx.attempt}")
+        if outcome is Run.HANG:
+            await world.hang(ctx.job_id)
+
+    executors.register(MachineTask, run, backoff=backoff)
+    return executors
+
+
+@attrs.define
+class _Env:
+    db: Database
+    rule_timeout: float
+
+
+class PlainStateMachine(RuleBasedStateMachine):
+    """Plain jobs in the real engine against `PlainModel`, one step at a time."""
+
+    _env: ClassVar[_Env | None] = None
+    config: ClassVar[QueueConfig] = PLAIN_CONFIG
+
+    def __init__(self) -> None:
+        super().__init__()
+        if self._env is None:
+            raise RuntimeError("run the machine with run_plain_state_machine()")
+        self.env: _Env = self._env
+        self.world = PlainWorld()
+        self.queue = Queue(self.env.db, config=self.config)
+        self.executors = plain_executors(self.world)
+        self.model = PlainModel()
+        self.dead: dict[UUID, PgJobStore] = {}
+        self.cancelled_runs: dict[UUID, int] = {}
+        self.rescuer = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
+                                  known_kinds=frozenset())
+        EXAMPLES[type(self).__name__] += 1
+
+    # -- hooks (mutation tests swap these) -----------------------------------------
+
+    def make_worker(self) -> Worker:
+        return Worker(self.queue, self.executors)
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        async def bounded() -> T:
+            with trio.fail_after(self.env.rule_timeout):
+                return await fn(*args)
+
+        return trio.from_thread.run(bounded)
+
+    @initialize()
+    def start_empty(self) -> None:
+        self._call(self.env.db.execute, Q.testing_truncate_all)
+
+    # -- rules: the application --------------------------------------------------------
+
+    @rule(jobs=st.lists(_job_specs(), min_size=1, max_size=4))
+    def enqueue(self, jobs: list[JobSpec]) -> None:
+        """Jobs, one enqueue each; a unique one whose key is held must answer the
+        holder's id."""
+        for spec in jobs:
+            self._enqueue(spec)
+
+    @rule(jobs=st.lists(_job_specs(due=True), min_size=1, max_size=4))
+    def enqueue_due(self, jobs: list[JobSpec]) -> None:
+        """Jobs due now on the queue the workers run (so that drains have work)."""
+        for spec in jobs:
+            self._enqueue(spec)
+
+    def _enqueue(self, spec: JobSpec) -> None:
+        queue = OTHER_QUEUE if spec.elsewhere else QUEUE
+        options = JobOptions(queue=queue, priority=spec.priority,
+                             max_attempts=spec.max_attempts)
+        unique = None if spec.key is None else Unique(spec.key, states=spec.key_states)
+        args = MachineTask(n=len(self.model.jobs))
+        job_id = self._call(lambda: self.queue.enqueue(args, delay=spec.delay,
+                                                       options=options, unique=unique))
+        expected = self.model.enqueue(job_id, queue=queue, priority=spec.priority,
+                                      max_attempts=spec.max_attempts, delay=spec.delay,
+                                      plan=spec.plan, unique_key=spec.key,
+                                      unique_states=spec.key_states)
+        assert job_id == expected, (
+            f"enqueue with key {spec.key!r} returned {job_id}; the model says {expected}")
+        self.world.plans.setdefault(job_id, spec.plan)
+
+    @rule(ticks=st.sampled_from((1, 2, 60)))
+    def advance_time(self, ticks: int) -> None:
+        """Time passes (every run_at moved back in SQL, never a sleep)."""
+        self._call(self.env.db.execute, AGE_JOBS, float(ticks * TICK))
+        self.model.advance(ticks * TICK)
+
+    @precondition(lambda self: bool(self.model.jobs))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        job_id = data.draw(st.sampled_from(list(self.model.jobs)), label="job")
+        answer = self._call(self.queue.cancel, job_id)
+        expected = self.model.cancel(job_id)
+        if answer is not None and answer.startswith("already "):
+            # main answers "already <state>" for an ended job (this branch: "<state>").
+            answer = answer.removeprefix("already ")
+        assert answer == expected, f"cancel({job_id}) said {answer!r}, the model {expected!r}"
+
+    def _retryable(self) -> list[UUID]:
+        return [j.id for j in self.model.in_states({DISCARDED})
+                if j.unique_key is None or self.model.holder_of(j.unique_key) is None
+                or j.unique_states.isdisjoint({AVAILABLE})]
+
+    @precondition(lambda self: bool(self._retryable()))
+    @rule(data=st.data())
+    def retry_dead_job(self, data: st.DataObject) -> None:
+        """
+        The dead-letter queue's retry: a discarded job runs again from attempt 0.
+        PLACEHOLDER: plain SQL (`DLQ_RETRY`) until the DLQ retry lands; then call
+        it here. Only jobs whose unique key is free are retried (what the real
+        retry does when it is not, is that feature's to decide).
+        """
+        job_id = data.draw(st.sampled_from(self._retryable()), label="job")
+        assert self._call(self.env.db.fetchval, DLQ_RETRY, job_id) == job_id
+        self.model.retry_dead(job_id)
+
+    # -- rules: workers ------------------------------------------------------------------
+
+    @rule()
+    def drain(self) -> None:
+        """
+        A worker starts, runs the queue until nothing is due, and stops. A hung
+        run is cancelled (`Queue.cancel`, then the worker's heartbeat delivers
+        it) and the drain goes on.
+        """
+        self._drain_and_check(OnHang.CANCEL)
+
+    @rule()
+    def drain_then_hard_stop(self) -> None:
+        """As `drain`, but a hung run is ended by stopping the worker hard (its
+        job is available again at once, the attempt counted)."""
+        self._drain_and_check(OnHang.HARD_STOP)
+
+    def _drain_and_check(self, on_hang: OnHang) -> None:
+        ran = self._call(self._drain, on_hang)
+        expected = self.model.drain(QUEUE, on_hang)
+        assert ran == expected.runs, (
+            f"the drain ran {ran}; the model (priority, then run_at) says {expected.runs}")
+
+    async def _drain(self, on_hang: OnHang) -> list[UUID]:
+        worker = self.make_worker()
+        world = self.world
+        world.new_drain()
+        scope = trio.CancelScope()
+
+        async def run(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await worker.run(task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run)
+            hard = False
+            while True:
+                hung = world.hung
+                if await self._drained_or_hung(worker, hung) and not hung.is_set():
+                    break
+                job_id = world.hung_job
+                assert job_id is not None
+                if on_hang is OnHang.HARD_STOP:
+                    hard = True
+                    break
+                world.rearm()
+                before = worker.stats.cancelled
+                answer = await self.queue.cancel(job_id)
+                assert answer == "cancelling", f"cancel of a running job said {answer!r}"
+                await worker.heartbeat.beat_once()
+                await worker.wait_for(partial(_cancelled_more, before))
+            if hard:
+                scope.cancel()
+            else:
+                worker.stop()
+        return list(world.log)
+
+    @staticmethod
+    async def _drained_or_hung(worker: Worker, hung: trio.Event) -> bool:
+        """Wait until a drain of `worker` is over (True) or a run hangs (False)."""
+        drained = False
+        async with trio.open_nursery() as waiting:
+
+            async def drain_once() -> None:
+                nonlocal drained
+                await worker.drain_once()
+                drained = True
+                waiting.cancel_scope.cancel()
+
+            async def watch_hang() -> None:
+                await hung.wait()
+                waiting.cancel_scope.cancel()
+
+            waiting.start_soon(drain_once)
+            waiting.start_soon(watch_hang)
+        return drained
+
+    @precondition(lambda self: self.model.next_due(QUEUE) is not None)
+    @rule(cancelled=st.booleans(), rescued=st.booleans())
+    def worker_dies(self, cancelled: bool, rescued: bool) -> None:
+        """A registered worker claims the next due job and dies (SIGKILL): the row
+        stays running, held by a worker that no longer heartbeats. With
+        `cancelled`, the application cancels the job at once (it is running:
+        "cancelling"; the rescue must end it cancelled); with `rescued`, the
+        rescue runs at once (else at a later `rescue` step)."""
+        claimed = self._call(self._claim_and_die)
+        assert self.dead
+        expected = self.model.claim_and_die(list(self.dead)[-1], QUEUE)
+        assert expected is not None
+        assert claimed == expected.id, (
+            f"the claim took {claimed}; the model (priority, then run_at) says {expected.id}")
+        if cancelled:
+            answer = self._call(self.queue.cancel, expected.id)
+            assert answer == self.model.cancel(expected.id) == "cancelling", answer
+        if rescued:
+            self.rescue()
+
+    async def _claim_and_die(self) -> UUID | None:
+        store = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
+                           known_kinds=frozenset())
+        identity = WorkerIdentity(id=uuid.uuid4(), host="plain-machine", pid=0,
+                                  kinds=(MachineTask.kind,))
+        await store.register_worker(identity)
+        self.dead[identity.id] = store
+        plain = PlainJobStore(self.env.db, self.config, QUEUE, lambda: identity.id)
+        jobs = await plain.claim(1)
+        return jobs[0].id if jobs else None
+
+    @precondition(lambda self: any(s == "alive" for s in self.model.workers.values()))
+    @rule()
+    def rescue(self) -> None:
+        """The dead workers' leases run out; one round of the leader's rescue."""
+        result = self._call(self._rescue)
+        expected = self.model.rescue()
+        got = (result.declared_dead, result.rescued, result.failed)
+        assert got == expected, f"rescue did {got}; the model says {expected}"
+
+    async def _rescue(self) -> Any:
+        for worker, state in self.model.workers.items():
+            if state == "alive":
+                await self.env.db.execute(Q.testing_worker_expire, worker)
+                await self.env.db.execute(AGE_PLAIN_CLAIMS, worker)
+        return await self.rescuer.rescue()
+
+    # -- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def database_equals_model(self) -> None:
+        rows = self._call(self.env.db.fetch, SNAPSHOT)
+        db = {r["id"]: (r["state"], r["attempt"], r["due"]) for r in rows}
+        expected = self.model.rows()
+        assert db == expected, _diff(db, expected)
+        # A crashed job waits out its backoff: run_at - attempted_at in the window.
+        waits = {r["id"]: r["waits"] for r in rows}
+        for job in self.model.in_states({AVAILABLE}):
+            if job.backoff is not None:
+                lo, hi = job.backoff, job.backoff + RETRY_SLACK
+                wait = waits[job.id]
+                assert wait is not None, f"job {job.id} crashed but was never claimed"
+                assert lo <= wait <= hi, (
+                    f"job {job.id} crashed on attempt {job.attempt}: its retry is "
+                    f"{wait}s after its claim, the backoff window is [{lo}, {hi}]")
+
+    @invariant()
+    def claims_take_due_jobs_in_order(self) -> None:
+        assert not self.world.bad_claims, self.world.bad_claims
+
+    @invariant()
+    def unique_keys_are_unique(self) -> None:
+        duplicates = self._call(self.env.db.fetch, DUPLICATE_KEYS)
+        assert not duplicates, [(r["unique_key"], r["n"]) for r in duplicates]
+
+    @invariant()
+    def cancelled_jobs_never_run_again(self) -> None:
+        for job in self.model.in_states({CANCELLED}):
+            runs = self.cancelled_runs.setdefault(job.id, self.world.runs[job.id])
+            assert self.world.runs[job.id] == runs, f"cancelled job {job.id} ran again"
+
+
+def _cancelled_more(before: int, stats: WorkerStats) -> bool:
+    return stats.cancelled > before
+
+
+def _diff(actual: dict[Any, Any], expected: dict[Any, Any]) -> str:
+    lines = ["plain jobs: database differs from the model (state, attempt, due)"]
+    for key in sorted(set(actual) | set(expected), key=str):
+        if actual.get(key) != expected.get(key):
+            lines.append(f"  {key}: database={actual.get(key)!r} model={expected.get(key)!r}")
+    return "\n".join(lines)
+
+
+#: The plain machine's budget, from the chosen profile's: fewer examples, each of
+#: more steps (a crash on a last attempt takes an enqueue, a drain, time passing
+#: and another drain; every step starts a worker, so the examples are fewer).
+PLAIN_EXAMPLES = 0.6
+PLAIN_STEPS = 5 / 3
+
+
+def plain_profile() -> settings:
+    """`machine.profile()` (``nasiko-ci``: 30 examples of up to 50 steps here)."""
+    base = profile()
+    return settings(base, max_examples=max(1, int(base.max_examples * PLAIN_EXAMPLES)),
+                    stateful_step_count=int(base.stateful_step_count * PLAIN_STEPS))
+
+
+async def run_plain_state_machine(
+    db_or_dsn: Database | str,
+    machine: type[PlainStateMachine] = PlainStateMachine,
+    *,
+    settings: settings | None = None,
+    rule_timeout: float = 20.0,
+) -> None:
+    """Run `machine` against a migrated database of its own, from a trio test."""
+    if isinstance(db_or_dsn, str):
+        async with open_database(db_or_dsn) as db:
+            await run_plain_state_machine(db, machine, settings=settings,
+                                          rule_timeout=rule_timeout)
+        return
+    env = _Env(db=db_or_dsn, rule_timeout=rule_timeout)
+    bound = type(machine.__name__, (machine,), {"_env": env})
+    chosen = settings or plain_profile()
+    await trio.to_thread.run_sync(lambda: run_state_machine_as_test(bound, settings=chosen))
