@@ -51,8 +51,12 @@ def _states(value: Any) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown job state(s) {sorted(unknown)}; the states are "
                          f"{sorted(JOB_STATES)}")
-    if not states:
-        raise ValueError("a unique job needs at least one state to be unique within")
+    if not {"available", "running"} <= states:
+        # A job moves between these two on its own (a claim, a crash's retry, a
+        # rescue): were one left out, a second job could take the key meanwhile,
+        # and the first could then never be written back.
+        raise ValueError(f"a unique job's states must include 'available' and 'running', "
+                         f"got {sorted(states)}")
     return states
 
 
@@ -65,6 +69,8 @@ class Unique:
     job's id; safe under concurrent enqueues (a unique index decides). The
     default, waiting or running, lets the same key run again once the first has
     ended; add "completed" to run a key once ever (until retention deletes it).
+    The states always include "available" and "running", between which a job
+    moves by itself.
     """
 
     key: str = attrs.field(validator=attrs.validators.min_len(1))

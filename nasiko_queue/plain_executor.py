@@ -125,6 +125,9 @@ class PlainJobExecutor(Slots[PlainJobStore]):
         if state == DISCARDED:
             self.state.stats.failed += 1
             log.error("job %s: discarded after %d attempt(s): %s", job.id, job.attempt, line)
+        elif state == CANCELLED:  # a cancel was asked for while it ran
+            self.state.stats.cancelled += 1
+            log.warning("job %s: cancelled (its cancel came before the crash)", job.id)
         elif state is not None:
             self.state.stats.retried += 1
             log.info("job %s: attempt %d failed; next run in %.1fs", job.id, job.attempt, delay)

@@ -16,6 +16,7 @@ import attrs
 import pytest
 from hypothesis import Phase, settings
 
+import nasiko_queue.job_admin
 import nasiko_queue.jobs
 import nasiko_queue.plain_jobs
 import nasiko_queue.queue
@@ -100,6 +101,12 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
             "        attempt = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts\n"
             "                       THEN j.attempt ELSE j.attempt - 1 END\n"
             "    FROM nasiko_queue_workers AS w")),
+    # The dead-letter queue's retry keeps the attempts of the runs before.
+    "dead_letter_retry_keeps_the_attempts": lambda mp: _plant(
+        mp, nasiko_queue.job_admin, plain_requeue=("attempt = 0,", "")),
+    # A crash after a cancel was asked for makes the job available again.
+    "crash_after_cancel_retries": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_retry=(
+        "SET state = CASE WHEN cancel_requested THEN 'cancelled'", "SET state = CASE")),
 }
 
 

@@ -940,14 +940,17 @@ FROM claimed AS c;
 
 -- name: plain_retry
 -- Run $2 of job $1 crashed (raised, timed out, or no executor here): available
--- again in $3 seconds, or discarded when it was the last attempt; $4 the error,
--- one line. Returns the state written (no row: no longer ours).
+-- again in $3 seconds, or discarded when it was the last attempt, or cancelled
+-- when a cancel was asked for meanwhile (as the rescue does); $4 the error, one
+-- line. Returns the state written (no row: no longer ours).
 UPDATE nasiko_queue_jobs
-SET state = CASE WHEN attempt >= max_attempts THEN 'discarded' ELSE 'available' END,
-    run_at = CASE WHEN attempt >= max_attempts THEN run_at
+SET state = CASE WHEN cancel_requested THEN 'cancelled'
+                 WHEN attempt >= max_attempts THEN 'discarded'
+                 ELSE 'available' END,
+    run_at = CASE WHEN cancel_requested OR attempt >= max_attempts THEN run_at
                   ELSE now() + make_interval(secs => $3::double precision) END,
-    finished_at = CASE WHEN attempt >= max_attempts THEN now() END,
-    claimed_by = CASE WHEN attempt >= max_attempts THEN claimed_by END,
+    finished_at = CASE WHEN cancel_requested OR attempt >= max_attempts THEN now() END,
+    claimed_by = CASE WHEN cancel_requested OR attempt >= max_attempts THEN claimed_by END,
     claim_token = NULL,
     error_msg = $4
 WHERE id = $1 AND attempt = $2 AND state = 'running'
@@ -964,9 +967,13 @@ RETURNING state;
 
 -- name: plain_reset
 -- A hard stop or the fence cut run $2 of job $1: available again at once, the
--- attempt counted.
+-- attempt counted; or cancelled, when a cancel was asked for meanwhile.
 UPDATE nasiko_queue_jobs
-SET state = 'available', claimed_by = NULL, claim_token = NULL
+SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END,
+    finished_at = CASE WHEN cancel_requested THEN now() END,
+    error_msg = CASE WHEN cancel_requested THEN 'cancelled' ELSE error_msg END,
+    claimed_by = CASE WHEN cancel_requested THEN claimed_by END,
+    claim_token = NULL
 WHERE id = $1 AND attempt = $2 AND state = 'running';
 
 -- name: plain_unclaim

@@ -49,6 +49,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from .. import job_admin
 from .._sql import Q
 from ..config import QueueConfig
 from ..database import Database, open_database
@@ -118,17 +119,6 @@ UPDATE nasiko_queue_jobs SET attempted_at = attempted_at - interval '1 minute'
 WHERE claimed_by = $1 AND state = 'running'
 """
 
-#: PLACEHOLDER for the dead-letter queue's retry (being built on another branch):
-#: what a retry of a dead job must do, in plain SQL. Replace with the real API
-#: call once it lands; the model's `retry_dead` is the rule it must follow.
-DLQ_RETRY = """
-UPDATE nasiko_queue_jobs
-SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
-    error_msg = NULL, claimed_by = NULL, claim_token = NULL, cancel_requested = false
-WHERE id = $1 AND state = 'discarded'
-RETURNING id
-"""
-
 #: At the start of a run: was this job due when claimed, and did a due job with a
 #: lower priority number wait in its queue then? (One slot: nothing else moves.)
 CLAIM_CHECK = """
@@ -175,7 +165,8 @@ def _job_specs(*, due: bool = False) -> st.SearchStrategy[JobSpec]:
         delay=st.just(0) if due else st.sampled_from((0, 2 * TICK, 60 * TICK)),
         key=st.sampled_from(KEYS), key_states=st.sampled_from(KEY_STATES),
         max_attempts=st.sampled_from((3, 1, 2)),
-        plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG)),
+        plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG,
+                                       Run.CANCEL_THEN_RAISE)),
                       max_size=3).map(tuple),
         elsewhere=st.just(False) if due else st.sampled_from((False, False, True)))
 
@@ -240,6 +231,9 @@ def plain_executors(world: PlainWorld) -> Executors:
         outcome = await world.begin(ctx)
         if outcome is Run.RAISE:
             raise SimulatedCrash(f"planned crash on attempt {ctx.attempt}")
+        if outcome is Run.CANCEL_THEN_RAISE:
+            assert await ctx.db.fetchval(Q.plain_cancel, ctx.job_id) == "cancelling"
+            raise SimulatedCrash(f"planned crash after a cancel on attempt {ctx.attempt}")
         if outcome is Run.HANG:
             await world.hang(ctx.job_id)
 
@@ -340,22 +334,26 @@ class PlainStateMachine(RuleBasedStateMachine):
             answer = answer.removeprefix("already ")
         assert answer == expected, f"cancel({job_id}) said {answer!r}, the model {expected!r}"
 
-    def _retryable(self) -> list[UUID]:
-        return [j.id for j in self.model.in_states({DISCARDED})
-                if j.unique_key is None or self.model.holder_of(j.unique_key) is None
-                or j.unique_states.isdisjoint({AVAILABLE})]
+    def _dead(self) -> list[UUID]:
+        return [j.id for j in self.model.in_states({DISCARDED})]
 
-    @precondition(lambda self: bool(self._retryable()))
+    @precondition(lambda self: bool(self._dead()))
     @rule(data=st.data())
     def retry_dead_job(self, data: st.DataObject) -> None:
         """
-        The dead-letter queue's retry: a discarded job runs again from attempt 0.
-        PLACEHOLDER: plain SQL (`DLQ_RETRY`) until the DLQ retry lands; then call
-        it here. Only jobs whose unique key is free are retried (what the real
-        retry does when it is not, is that feature's to decide).
+        The dead-letter queue's retry (`job_admin.retry`): a discarded job runs
+        again from attempt 0; it is refused, and nothing changes, while another
+        job holds its unique key.
         """
-        job_id = data.draw(st.sampled_from(self._retryable()), label="job")
-        assert self._call(self.env.db.fetchval, DLQ_RETRY, job_id) == job_id
+        job_id = data.draw(st.sampled_from(self._dead()), label="job")
+        job = self.model.jobs[job_id]
+        held = job.unique_key is not None and self.model.holder_of(job.unique_key) is not None
+        try:
+            self._call(job_admin.retry, self.env.db, job_id)
+        except job_admin.JobRefused:
+            assert held, f"the retry of {job_id} was refused though its key is free"
+            return
+        assert not held, f"the retry of {job_id} took a key another job holds"
         self.model.retry_dead(job_id)
 
     # -- rules: workers ------------------------------------------------------------------

@@ -49,6 +49,9 @@ class Run(enum.Enum):
     RAISE = "raise"
     #: It never returns by itself: stopped by a cancel, or by a hard stop.
     HANG = "hang"
+    #: Its job is cancelled while it runs, and it raises before the worker's
+    #: heartbeat delivers the cancel (or is stopped by it): cancelled either way.
+    CANCEL_THEN_RAISE = "cancel_then_raise"
 
 
 class OnHang(enum.Enum):
@@ -154,8 +157,8 @@ class PlainModel:
         self.now += seconds
 
     def retry_dead(self, job_id: UUID) -> None:
-        """The dead-letter queue's retry (the DLQ feature, in progress): a
-        discarded job is available again now, its attempts forgotten."""
+        """The dead-letter queue's retry (`job_admin.retry`): a discarded job is
+        available again now, its attempts forgotten."""
         job = self.jobs[job_id]
         assert job.state == DISCARDED
         job.state, job.attempt, job.backoff = AVAILABLE, 0, None
@@ -208,6 +211,8 @@ class PlainModel:
                 job.state = COMPLETED
             elif run is Run.RAISE:
                 self._crash(job)
+            elif run is Run.CANCEL_THEN_RAISE:
+                job.state = CANCELLED
             elif on_hang is OnHang.CANCEL:
                 job.state = CANCELLED
             else:
