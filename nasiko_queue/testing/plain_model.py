@@ -211,9 +211,7 @@ class PlainModel:
                 job.state = COMPLETED
             elif run is Run.RAISE:
                 self._crash(job)
-            elif run is Run.CANCEL_THEN_RAISE:
-                job.state = CANCELLED
-            elif on_hang is OnHang.CANCEL:
+            elif run is Run.CANCEL_THEN_RAISE or on_hang is OnHang.CANCEL:
                 job.state = CANCELLED
             else:
                 job.state = AVAILABLE
