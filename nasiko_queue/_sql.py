@@ -139,6 +139,9 @@ class Queries:
     schedule_advance: str
     schedule_first_sight: str
     schedule_list: str
+    # -- health and metrics
+    health_ping: str
+    metrics_jobs: str
 
 
 def parse(text: str) -> dict[str, str]:

@@ -80,6 +80,7 @@ class HeartbeatService:
         # Trio time by which a heartbeat must have landed, or the worker fences.
         self._fence = trio.CancelScope()
         self._was_leader = False
+        self._landed_at: float | None = None
 
     @property
     def fence_after(self) -> float:
@@ -118,8 +119,15 @@ class HeartbeatService:
                 return False
             delay = min(delay * 2, self.config.retry_max_delay)
 
+    @property
+    def landed_at(self) -> float | None:
+        """Trio time at which the last heartbeat (or registration) that landed was
+        sent; None before the first. For health checks: fresh while within the lease."""
+        return self._landed_at
+
     def _renewed(self, sent: float) -> None:
         """A heartbeat (or the registration) sent at `sent` landed."""
+        self._landed_at = sent
         self._fence.deadline = sent + self.fence_after
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

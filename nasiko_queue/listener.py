@@ -73,7 +73,11 @@ class Listener:
                         started = True
                         task_status.started()
                     connected_at = trio.current_time()
-                    await self._until_lost(listening)
+                    self.state.listening = True
+                    try:
+                        await self._until_lost(listening)
+                    finally:
+                        self.state.listening = False
                     if trio.current_time() - connected_at > self.config.retry_max_delay:
                         delay = self.config.retry_initial_delay  # it was a healthy connection
                     log.warning("LISTEN connection lost; reconnecting in %.2fs", delay)

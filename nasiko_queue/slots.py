@@ -166,6 +166,7 @@ class Slots(abc.ABC, Generic[S]):
         # bookkeeping ends, and another slot may already be running the job again.
         claim = (job.id, job.attempt)
         self.state.job_scopes[claim] = fence
+        started = trio.current_time()
         try:
             with fence, trio.move_on_after(math.inf if limit is None else limit) as limited:
                 async with trio.open_nursery() as nursery:
@@ -188,6 +189,7 @@ class Slots(abc.ABC, Generic[S]):
             raise
         finally:
             del self.state.job_scopes[claim]
+            self.state.run_seconds.observe(trio.current_time() - started)
         if limited.cancelled_caught:
             self.state.stats.timed_out += 1
             log.error("job %s (%s) ran past its limit of %ss on attempt %d; cancelled, counted "

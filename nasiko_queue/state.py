@@ -12,6 +12,7 @@ it and who waits on it.
 
 from __future__ import annotations
 
+import bisect
 import collections
 from uuid import UUID
 
@@ -102,6 +103,35 @@ class WorkerStats:
         default=None, repr=False, eq=False, alias="_changed_lot")
 
 
+#: Upper bounds (seconds) of the buckets of `Timings`: from a few milliseconds
+#: (a claim right after its enqueue) to an hour (a long build).
+TIMING_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                     5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+
+@attrs.define(eq=False)
+class Timings:
+    """
+    A fixed-bucket histogram kept in memory (a bisect and two additions per
+    observation), read by the metrics endpoint (`nasiko_queue.web`) when there is
+    one: the worker records it either way, and imports nothing for it.
+    """
+
+    buckets: tuple[float, ...] = TIMING_BUCKETS
+    #: Observations per bucket (not cumulative); the last one is above every bound.
+    counts: list[int] = attrs.field(init=False)
+    count: int = 0
+    total: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.count += 1
+        self.total += seconds
+
+
 @attrs.frozen
 class Finish:
     """A slot's executor returned: the completer records the outcome from the build row."""
@@ -175,6 +205,12 @@ class WorkerState:
     #: Claims whose run was asked to stop (a cancel of a plain job): their scope
     #: in `job_scopes` is cancelled, and the run ends `cancelled`.
     cancels: set[tuple[UUID, int]] = attrs.Factory(set)
+    #: Seconds each executor ran (every lane's), and from each job's becoming
+    #: claimable (a build job's `created_at`, a plain job's `run_at`) to its claim.
+    run_seconds: Timings = attrs.Factory(Timings)
+    claim_latency: Timings = attrs.Factory(Timings)
+    #: The LISTEN connection is established now (set by the `Listener`).
+    listening: bool = False
 
     #: Jobs in this lane's slots now (`stats.running` counts every lane's).
     running: int = 0
@@ -199,6 +235,8 @@ class WorkerState:
         lane.stats = self.stats
         lane.changed = self.changed
         lane.stopping = self.stopping
+        lane.run_seconds = self.run_seconds
+        lane.claim_latency = self.claim_latency
         return lane
 
     # -- signals ---------------------------------------------------------------

@@ -1235,3 +1235,29 @@ RETURNING last_tick;
 -- name: schedule_list
 -- Every schedule's last tick enqueued (or recorded), for tools and tests.
 SELECT name, last_tick, updated_at FROM nasiko_queue_schedules ORDER BY name;
+
+
+-- ============================================================================
+-- Health and metrics (nasiko_queue.web).
+
+-- name: health_ping
+-- `/health/ready`: the database answers.
+SELECT 1;
+
+-- name: metrics_jobs
+-- `/metrics`, one statement per scrape: jobs by queue, kind and state (build
+-- jobs as queue 'builds', kind from the payload), with the age in seconds of
+-- the oldest claimable job of each group (pending build jobs since created_at,
+-- available plain jobs that are due since run_at; NULL for the other groups).
+SELECT 'builds' AS queue, coalesce(payload ->> 'kind', '') AS kind, status AS state,
+       count(*) AS n,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
+           AS oldest
+FROM build_jobs
+GROUP BY status, payload ->> 'kind'
+UNION ALL
+SELECT queue, kind, state, count(*) AS n,
+       extract(epoch FROM now() - min(run_at) FILTER (
+           WHERE state = 'available' AND run_at <= now()))::float8 AS oldest
+FROM nasiko_queue_jobs
+GROUP BY queue, kind, state;
