@@ -381,19 +381,45 @@ async def _check_schema_when_up(
 
 
 async def _work(dsn: str, executors: Executors, config: QueueConfig,
-                secrets: SecretBox | None, schedules: Sequence[Schedule] = ()) -> int:
+                secrets: SecretBox | None, schedules: Sequence[Schedule] = (),
+                http: tuple[str, int] | None = None) -> int:
     shutdown = _Shutdown()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_database(dsn) as db:
-            worker = Worker(Queue(db, config=config, secrets=secrets), executors,
-                            schedules=schedules)
+            queue = Queue(db, config=config, secrets=secrets)
+            worker = Worker(queue, executors, schedules=schedules)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, signals, worker, nursery.cancel_scope,
                                    shutdown)
+                if http is not None:
+                    # Imported only here: the [http] extra stays optional (checked
+                    # by `_parse_http` before anything runs).
+                    from .web.server import HttpService
+
+                    service = HttpService(queue, worker, host=http[0], port=http[1])
+                    await nursery.start(service.run)
                 if await _check_schema_when_up(db, dsn, config, shutdown):
                     await worker.run()
                 nursery.cancel_scope.cancel()
     return EXIT_HARD_STOP if shutdown.hard else 0
+
+
+def _parse_http(_ctx: click.Context, _param: click.Parameter,
+                value: str | None) -> tuple[str, int] | None:
+    """`--http HOST:PORT`: where to serve health and metrics; needs the [http] extra."""
+    if value is None:
+        return None
+    from .web.bind import parse_bind
+
+    try:
+        bind = parse_bind(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    try:
+        import nasiko_queue.web.server  # noqa: F401
+    except ImportError as exc:
+        raise OperatorError(str(exc)) from None
+    return bind
 
 
 @main.command("worker", short_help="Run jobs until stopped.")
@@ -452,6 +478,10 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
 @click.option("--job-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Run-time limit of every job, in seconds; a run past it is cancelled "
                    "and counts as a crash. Default: none.")
+@click.option("--http", "http", metavar="HOST:PORT", default=None, callback=_parse_http,
+              envvar="NASIKO_QUEUE_HTTP", show_envvar=True,
+              help="Serve /health/live, /health/ready and /metrics (Prometheus) there, e.g. "
+                   "127.0.0.1:9181. Needs the [http] extra. Default: off.")
 @_log_level_option("INFO")
 def worker_command(
     dsn: str | None,
@@ -471,6 +501,7 @@ def worker_command(
     scheduler: bool,
     maintenance: bool,
     job_timeout: float | None,
+    http: tuple[str, int] | None,
     log_level: str,
 ) -> None:
     """
@@ -517,7 +548,7 @@ def worker_command(
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     schedules = load_schedules(schedules_spec) if schedules_spec else ()
-    sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules))
+    sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules, http))
 
 
 def load_schedules(spec: str) -> tuple[Schedule, ...]:

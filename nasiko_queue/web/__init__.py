@@ -1,0 +1,1 @@
+"""The HTTP side of nasiko-queue (the [http] extra): health, metrics, the dashboard."""
