@@ -548,7 +548,9 @@ def worker_command(
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     schedules = load_schedules(schedules_spec) if schedules_spec else ()
-    sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules, http))
+    # `http` only when given: without it, `_work` is called exactly as before.
+    extra = () if http is None else (http,)
+    sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules, *extra))
 
 
 def load_schedules(spec: str) -> tuple[Schedule, ...]:
