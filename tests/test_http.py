@@ -274,6 +274,50 @@ async def test_ready_turns_503_when_the_database_goes_away_and_200_when_it_is_ba
             outer.cancel_scope.cancel()
 
 
+async def test_ready_reports_a_stale_heartbeat_and_a_lost_listen_connection(
+    dsn: str,
+) -> None:
+    """Short timers, so that the worker fences and its LISTEN check fails within
+    a second of the cut: both checks fail by name, and pass again after."""
+    proxy = Proxy(dsn)
+    executors = Executors()
+
+    @executors.register(Tick)
+    async def tick(ctx: PlainJobContext[Tick]) -> None:
+        return None
+
+    config = attrs.evolve(FAST, heartbeat_interval=0.2, lease=0.8,
+                          listen_check_interval=0.2, cleanup_timeout=0.3)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as outer:
+            await outer.start(proxy.run)
+            async with open_database(proxy.dsn()) as db:
+                worker = Worker(Queue(db, config=config, secrets=MASTER_KEY), executors)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(worker.run)
+                    async with serving(Queue(db, config=config), worker) as (_s, client):
+
+                        async def checks_ok() -> dict[str, bool]:
+                            body = (await client.get("/health/ready")).json()
+                            return {name: c["ok"] for name, c in body["checks"].items()}
+
+                        async def all_ok() -> bool:
+                            return all((await checks_ok()).values())
+
+                        async def worker_side_failed() -> bool:
+                            ok = await checks_ok()
+                            return not ok["heartbeat"] and not ok["listen"]
+
+                        await until(all_ok, "ready")
+                        proxy.partition()
+                        await until(worker_side_failed, "heartbeat and listen to fail", 10.0)
+                        assert worker.state.fenced
+                        proxy.restore()
+                        await until(all_ok, "ready again")
+                    worker.stop()
+            outer.cancel_scope.cancel()
+
+
 async def test_ready_is_503_on_an_unmigrated_database(empty_dsn: str) -> None:
     async with open_database(empty_dsn) as db:
         queue = Queue(db, config=FAST)

@@ -72,6 +72,8 @@ async def serve(app: ASGIApp, host: str, port: int, *,
     config = hypercorn.config.Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
+    # hypercorn's own messages through the application's logging, not a handler of its own.
+    config.errorlog = logging.getLogger("nasiko_queue.web.hypercorn")
     config.graceful_timeout = 1.0
 
     async with trio.open_nursery() as nursery:
