@@ -8,6 +8,8 @@ wait: every wait is on a condition, under a deadline.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -382,13 +384,38 @@ def test_parse_bind_refuses(spec: str) -> None:
 # -- the command ----------------------------------------------------------------------
 
 
+#: Never connected to: the option is refused before anything runs.
+UNUSED_DSN = "postgresql://nobody@127.0.0.1:1/none"
+
+
 @pytest.mark.parametrize("bad", ["9181", "localhost:http", "127.0.0.1:99999"])
-def test_worker_http_refuses_a_bad_address(bad: str, dsn: str) -> None:
-    result = CliRunner().invoke(main, ["worker", "--dsn", dsn, "--executors",
+def test_worker_http_refuses_a_bad_address(bad: str) -> None:
+    result = CliRunner().invoke(main, ["worker", "--dsn", UNUSED_DSN, "--executors",
                                        "tests.cli_executors:executors", "--http", bad])
     assert result.exit_code == 2, result.output
     assert "--http" in result.output
     assert "Usage:" in result.output
+
+
+def test_worker_http_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on an installation without hypercorn: the module is imported afresh and fails.
+    monkeypatch.delitem(sys.modules, "nasiko_queue.web.server")
+    monkeypatch.setitem(sys.modules, "hypercorn.trio", None)
+    result = CliRunner().invoke(main, ["worker", "--dsn", UNUSED_DSN, "--executors",
+                                       "tests.cli_executors:executors", "--http",
+                                       "127.0.0.1:9181"])
+    assert result.exit_code == 2, result.output
+    assert "pip install 'nasiko-queue[http]'" in result.output
+    assert "hypercorn.trio" in result.output
+
+
+def test_the_core_and_the_cli_import_nothing_of_the_extra() -> None:
+    code = ("import sys, nasiko_queue, nasiko_queue.cli, nasiko_queue.web.bind; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'hypercorn', 'starlette', 'prometheus_client', 'jinja2'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
 
 
 def _free_port() -> int:
