@@ -139,6 +139,12 @@ class Queries:
     schedule_advance: str
     schedule_first_sight: str
     schedule_list: str
+    # -- dashboard
+    queue_pause: str
+    queue_resume: str
+    queues_paused: str
+    throughput_buckets: str
+    build_queue_counts: str
 
 
 def parse(text: str) -> dict[str, str]:
