@@ -142,6 +142,12 @@ class Queries:
     # -- health and metrics
     health_ping: str
     metrics_jobs: str
+    # -- dashboard
+    queue_pause: str
+    queue_resume: str
+    queues_paused: str
+    throughput_buckets: str
+    build_queue_counts: str
 
 
 def parse(text: str) -> dict[str, str]:

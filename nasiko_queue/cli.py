@@ -78,6 +78,8 @@ T = TypeVar("T")
 #: Where the worker's master key comes from. Never a command-line option: those
 #: are visible to every user of the machine in `ps`.
 MASTER_KEY_ENV = "NASIKO_QUEUE_MASTER_KEY"
+#: The dashboard's login token (`dashboard --token`, `worker --http --dashboard`).
+DASHBOARD_TOKEN_ENV = "NASIKO_QUEUE_DASHBOARD_TOKEN"  # noqa: S105 (a variable's name)
 
 #: Exit code of a worker stopped by a second signal (128 + SIGINT, as shells report
 #: Ctrl-C), so that scripts can tell a hard stop from a clean one.
@@ -382,7 +384,7 @@ async def _check_schema_when_up(
 
 async def _work(dsn: str, executors: Executors, config: QueueConfig,
                 secrets: SecretBox | None, schedules: Sequence[Schedule] = (),
-                http: tuple[str, int] | None = None) -> int:
+                http: tuple[str, int] | None = None, with_dashboard: bool = False) -> int:
     shutdown = _Shutdown()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_database(dsn) as db:
@@ -396,7 +398,15 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
                     # by `_parse_http` before anything runs).
                     from .web.server import HttpService
 
-                    service = HttpService(queue, worker, host=http[0], port=http[1])
+                    dashboard = None
+                    if with_dashboard:
+                        from .web.dashboard import dashboard_app
+
+                        token = os.environ.get(DASHBOARD_TOKEN_ENV) or None
+                        dashboard = dashboard_app(db, token=token, read_only=token is None,
+                                                  config=config, schedules=schedules)
+                    service = HttpService(queue, worker, host=http[0], port=http[1],
+                                          dashboard=dashboard)
                     await nursery.start(service.run)
                 if await _check_schema_when_up(db, dsn, config, shutdown):
                     await worker.run()
@@ -482,6 +492,9 @@ def _parse_http(_ctx: click.Context, _param: click.Parameter,
               envvar="NASIKO_QUEUE_HTTP", show_envvar=True,
               help="Serve /health/live, /health/ready and /metrics (Prometheus) there, e.g. "
                    "127.0.0.1:9181. Needs the [http] extra. Default: off.")
+@click.option("--dashboard", "with_dashboard", is_flag=True,
+              help="With --http: serve the dashboard there too (actions need "
+                   "NASIKO_QUEUE_DASHBOARD_TOKEN; without it, read-only).")
 @_log_level_option("INFO")
 def worker_command(
     dsn: str | None,
@@ -502,6 +515,7 @@ def worker_command(
     maintenance: bool,
     job_timeout: float | None,
     http: tuple[str, int] | None,
+    with_dashboard: bool,
     log_level: str,
 ) -> None:
     """
@@ -548,8 +562,12 @@ def worker_command(
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     schedules = load_schedules(schedules_spec) if schedules_spec else ()
+    if with_dashboard and http is None:
+        raise click.UsageError("--dashboard is served on --http HOST:PORT: give both")
     # `http` only when given: without it, `_work` is called exactly as before.
-    extra = () if http is None else (http,)
+    extra: tuple[object, ...] = ()
+    if http is not None:
+        extra = (http, with_dashboard)
     sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules, *extra))
 
 
@@ -588,6 +606,50 @@ def parse_queues(spec: str | None, default: int) -> dict[str, int] | None:
 
 
 # -- status -----------------------------------------------------------------------
+
+
+@main.command("dashboard", short_help="Serve the web dashboard (needs the [http] extra).")
+@dsn_option
+@click.option("--bind", default="127.0.0.1:9182", show_default=True, metavar="HOST:PORT",
+              help="Where to listen. Only this machine by default: expose it on purpose.")
+@click.option("--token", envvar=DASHBOARD_TOKEN_ENV, show_envvar=True,
+              default=None, metavar="TOKEN",
+              help="What the login form asks for before any action. Without it the "
+                   "dashboard is read-only.")
+@click.option("--read-only", is_flag=True, help="Show no actions and refuse every one.")
+@click.option("--schedules", "schedules_spec", metavar="MODULE:ATTRIBUTE", default=None,
+              help="The worker's schedules, to show their cron expressions and next runs.")
+@stuck_option
+def dashboard_command(dsn: str | None, bind: str, token: str | None, read_only: bool,
+                      schedules_spec: str | None, stuck_job_mins: int) -> None:
+    """
+    Serve the web dashboard: queues, jobs, dead letters, workers, schedules;
+    retry, cancel, discard and pause/resume behind a token.
+    """
+    dsn = _require_dsn(dsn)
+    try:
+        from hypercorn.config import Config as HypercornConfig
+        from hypercorn.trio import serve
+
+        from .web.dashboard import dashboard_app
+    except ImportError as exc:
+        raise OperatorError(f"`nasiko-queue dashboard` needs the [http] extra: "
+                            f"pip install 'nasiko-queue[http]' ({exc})") from None
+    schedules = load_schedules(schedules_spec) if schedules_spec else ()
+    config = QueueConfig(stuck_job_mins=stuck_job_mins)
+    hyper = HypercornConfig()
+    hyper.bind = [bind]
+    hyper.accesslog = None
+
+    async def serve_dashboard() -> None:
+        async with open_database(dsn) as db:
+            app = dashboard_app(db, token=token or None, read_only=read_only, config=config,
+                                schedules=schedules)
+            mode = "read-only" if read_only or not token else "actions need the token"
+            click.echo(f"dashboard on http://{bind}/ ({mode})", err=True)
+            await serve(app, hyper)  # type: ignore[arg-type]
+
+    _run(dsn, serve_dashboard)
 
 
 @main.command("status", short_help="Show the queue's health.")

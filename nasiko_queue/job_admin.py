@@ -363,3 +363,49 @@ async def retry_matching(db: Database, where: JobFilter,
 async def discard_matching(db: Database, where: JobFilter) -> BulkResult:
     """`discard` every job `where` matches (all pages), each in its own transaction."""
     return await _each(db, where, lambda job_id: discard(db, job_id))
+
+
+# -- pause and resume -------------------------------------------------------------
+
+#: The build jobs' queue in a listing: not pausable (the original's worker claims
+#: build jobs with its own SQL, which a pause could not reach).
+BUILDS_QUEUE = "builds"
+
+
+def _pausable(name: str) -> None:
+    if name == BUILDS_QUEUE:
+        raise JobRefused("the queue \"builds\" cannot be paused: the original's workers "
+                         "claim build jobs with their own SQL, which would not see a pause")
+    if not name or len(name) > 128:
+        raise JobRefused("a queue name has 1 to 128 characters")
+
+
+async def pause_queue(db: Database, name: str) -> None:
+    """
+    Pause the plain-job queue `name`: no worker claims from it until
+    `resume_queue`. Jobs already running finish as usual; enqueues still land.
+    Idempotent. Pausing a queue that holds no job yet is allowed.
+
+    Raises:
+        JobRefused: `name` is "builds" (build jobs cannot be paused) or not a queue name.
+    """
+    _pausable(name)
+    await db.execute(Q.queue_pause, name)
+
+
+async def resume_queue(db: Database, name: str, config: QueueConfig | None = None) -> bool:
+    """
+    Resume the queue `name`; returns whether it was paused. Workers are woken
+    through `config.notify_channel` once it commits, so they claim at once.
+    """
+    config = config or QueueConfig()
+    async with db.transaction() as tx:
+        resumed = await tx.fetchval(Q.queue_resume, name) is not None
+        if resumed:
+            await _notify(tx, config)
+    return resumed
+
+
+async def paused_queues(db: Database) -> dict[str, datetime]:
+    """Every paused queue, and since when."""
+    return {r["queue"]: r["paused_at"] for r in await db.fetch(Q.queues_paused)}

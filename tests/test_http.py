@@ -397,6 +397,13 @@ def test_worker_http_refuses_a_bad_address(bad: str) -> None:
     assert "Usage:" in result.output
 
 
+def test_worker_dashboard_needs_http() -> None:
+    result = CliRunner().invoke(main, ["worker", "--dsn", UNUSED_DSN, "--executors",
+                                       "tests.cli_executors:executors", "--dashboard"])
+    assert result.exit_code == 2, result.output
+    assert "--dashboard is served on --http" in result.output
+
+
 def test_worker_http_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # As on an installation without hypercorn: the module is imported afresh and fails.
     monkeypatch.delitem(sys.modules, "nasiko_queue.web.server")
@@ -430,7 +437,7 @@ async def test_worker_process_serves_health_and_metrics(
     dsn: str, queue: Queue, worker_log: Path  # noqa: F811
 ) -> None:
     port = _free_port()
-    proc = await _start_worker(dsn, worker_log, "--http", f"127.0.0.1:{port}")
+    proc = await _start_worker(dsn, worker_log, "--http", f"127.0.0.1:{port}", "--dashboard")
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
                                      timeout=5.0) as client:
@@ -455,6 +462,12 @@ async def test_worker_process_serves_health_and_metrics(
             assert 'nasiko_queue_jobs{kind="Upload",queue="builds",state="done"} 1.0' in text
             assert await queue.db.fetchval(
                 "SELECT status FROM build_jobs WHERE id = $1", job.job_id) == "done"
+            # The dashboard on the same port (no token set: read-only).
+            page = await client.get("/")
+            assert page.status_code == 200
+            assert "builds" in page.text
+            assert (await client.post("/login", data={"token": "x"})).status_code in (
+                401, 403)
     finally:
         proc.terminate()
         with trio.move_on_after(20):

@@ -28,7 +28,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
     async with open_database(empty_dsn) as db:
         assert await migrate(db) == [
             "0001", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
-            "0011"]
+            "0011", "0012"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
@@ -36,7 +36,8 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
             ("0001", "schema"), ("0003", "mcp"), ("0004", "jobs_agent_index"),
             ("0005", "queue_autovacuum"), ("0006", "claim_token"),
             ("0007", "finished_jobs_index"), ("0008", "workers"), ("0009", "job_errors"),
-            ("0010", "plain_jobs"), ("0011", "pending_kind_index")]
+            ("0010", "plain_jobs"), ("0011", "pending_kind_index"),
+            ("0012", "paused_queues")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "
@@ -179,3 +180,6 @@ def test_wheel_ships_the_migrations_and_the_type_marker(tmp_path: Path) -> None:
     assert "nasiko_queue/migrations/0003_mcp.sql" in names
     assert "nasiko_queue/sql/queries.sql" in names
     assert "nasiko_queue/py.typed" in names
+    # The dashboard's templates and stylesheet (package data, no build step).
+    assert "nasiko_queue/web/templates/base.html" in names
+    assert "nasiko_queue/web/static/dashboard.css" in names

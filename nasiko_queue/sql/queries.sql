@@ -885,7 +885,8 @@ ORDER BY n;
 -- name: plain_claim
 -- Take up to $2 available jobs of queue $1 that are due, by priority then due
 -- time (one index scan: nasiko_queue_jobs_claim), marked with claim token $3 and
--- worker $4. A payload over $5 bytes comes back NULL (fails as invalid, unsent).
+-- worker $4; none while the queue is paused (a primary-key probe of
+-- nasiko_queue_paused_queues, migration 0012). A payload over $5 bytes comes back NULL (fails as invalid, unsent).
 UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
     claim_token = $3, claimed_by = $4
@@ -893,6 +894,7 @@ WHERE j.id = ANY (ARRAY(
     SELECT id
     FROM nasiko_queue_jobs
     WHERE state = 'available' AND queue = $1 AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_paused_queues WHERE queue = $1)
     ORDER BY priority, run_at, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED))
@@ -903,7 +905,8 @@ RETURNING j.id, j.kind,
 -- name: plain_finish_many_and_claim
 -- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
 -- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
--- worker, $7 payload bound), in one round trip. Rows with finished_id report a
+-- worker, $7 payload bound), in one round trip; a paused queue claims nothing,
+-- but its finishes still complete. Rows with finished_id report a
 -- finish ('completed', or NULL when no longer ours); rows with id are claims.
 WITH finished AS (
     UPDATE nasiko_queue_jobs AS j
@@ -919,6 +922,7 @@ WITH finished AS (
         SELECT id
         FROM nasiko_queue_jobs
         WHERE state = 'available' AND queue = $3 AND run_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM nasiko_queue_paused_queues WHERE queue = $3)
         ORDER BY priority, run_at, id
         LIMIT $4
         FOR UPDATE SKIP LOCKED))
@@ -1261,3 +1265,48 @@ SELECT queue, kind, state, count(*) AS n,
            WHERE state = 'available' AND run_at <= now()))::float8 AS oldest
 FROM nasiko_queue_jobs
 GROUP BY queue, kind, state;
+-- Dashboard (nasiko_queue.web.dashboard).
+
+-- name: queue_pause
+-- Pause queue $1 (idempotent: a paused queue keeps its first paused_at).
+INSERT INTO nasiko_queue_paused_queues (queue) VALUES ($1)
+ON CONFLICT (queue) DO NOTHING;
+
+-- name: queue_resume
+-- Resume queue $1; returns its row when it was paused.
+DELETE FROM nasiko_queue_paused_queues WHERE queue = $1 RETURNING queue;
+
+-- name: queues_paused
+-- Every paused queue, with since when.
+SELECT queue, paused_at FROM nasiko_queue_paused_queues ORDER BY queue;
+
+-- name: throughput_buckets
+-- Jobs that ended in the last hour, per 5-minute bucket (0 = the oldest, 11 =
+-- the current one) and per outcome ('completed' or 'failed'), across plain jobs
+-- (finished_at) and build jobs (completed_at). Reads the finished indexes.
+SELECT b.bucket::int AS bucket, b.outcome, count(*)::int AS n FROM (
+    SELECT floor(extract(epoch FROM finished_at - (now() - interval '1 hour')) / 300)
+               AS bucket,
+           CASE WHEN state = 'completed' THEN 'completed' ELSE 'failed' END AS outcome
+    FROM nasiko_queue_jobs
+    WHERE state IN ('completed', 'discarded', 'cancelled')
+      AND finished_at > now() - interval '1 hour'
+    UNION ALL
+    SELECT floor(extract(epoch FROM completed_at - (now() - interval '1 hour')) / 300),
+           CASE WHEN status = 'done' THEN 'completed' ELSE 'failed' END
+    FROM build_jobs
+    WHERE status IN ('done', 'failed') AND completed_at > now() - interval '1 hour'
+) AS b
+WHERE b.bucket BETWEEN 0 AND 11
+GROUP BY b.bucket, b.outcome
+ORDER BY b.bucket;
+
+-- name: build_queue_counts
+-- The build jobs as the dashboard's queue "builds": counts in the listing's
+-- states (pending due now: available), and the kept copies as discarded.
+SELECT count(*) FILTER (WHERE status = 'pending')::int AS available,
+       count(*) FILTER (WHERE status = 'in_progress')::int AS running,
+       count(*) FILTER (WHERE status = 'done')::int AS completed,
+       (count(*) FILTER (WHERE status = 'failed')
+        + (SELECT count(*) FROM nasiko_queue_deleted_build_jobs))::int AS discarded
+FROM build_jobs;
