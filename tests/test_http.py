@@ -35,6 +35,7 @@ from nasiko_queue import (
     open_database,
 )
 from nasiko_queue.cli import main
+from nasiko_queue.embedded import EmbeddedPostgres
 from nasiko_queue.testing import enqueue_with_target
 from nasiko_queue.web.bind import parse_bind
 from nasiko_queue.web.server import HttpService, build_app
@@ -43,6 +44,7 @@ from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE
 from .netproxy import Proxy
 from .test_cli import _start_worker, worker_log  # noqa: F401  (a fixture)
+from .test_outages import own_dsn, own_server  # noqa: F401  (fixtures)
 
 #: How soon /health/ready must turn 503 once the database is cut off: the
 #: check's own bound (1 s) plus the client's round trip, with margin.
@@ -475,3 +477,40 @@ async def test_worker_process_serves_health_and_metrics(
         if proc.returncode is None:
             proc.kill()
     assert proc.returncode == 0
+
+
+@pytest.mark.slow
+async def test_ready_turns_503_when_its_own_server_stops_and_200_when_it_starts_again(
+    own_server: EmbeddedPostgres, own_dsn: str,  # noqa: F811 (fixtures)
+) -> None:
+    """The issue's proof with a PostgreSQL server this test starts and stops itself
+    (the shared one is never stopped): a fast shutdown, then a start."""
+    executors = Executors()
+
+    @executors.register(Tick)
+    async def tick(ctx: PlainJobContext[Tick]) -> None:
+        return None
+
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with open_database(own_dsn) as db:
+            queue = Queue(db, config=FAST, secrets=MASTER_KEY)
+            worker = Worker(queue, executors)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(worker.run)
+                async with serving(queue, worker) as (_service, client):
+
+                    async def ready_is(code: int) -> bool:
+                        return (await client.get("/health/ready")).status_code == code
+
+                    await until(lambda: ready_is(200), "ready")
+                    await trio.to_thread.run_sync(own_server.stop)
+                    stopped = trio.current_time()
+                    await until(lambda: ready_is(503), "503", OUTAGE_NOTICED_WITHIN)
+                    noticed = trio.current_time() - stopped
+                    assert (await client.get("/health/live")).status_code == 200
+                    await trio.to_thread.run_sync(own_server.start)
+                    started = trio.current_time()
+                    await until(lambda: ready_is(200), "ready again")
+                    print(f"503 {noticed:.2f}s after the server stopped; 200 again "
+                          f"{trio.current_time() - started:.2f}s after it started")
+                worker.stop()
