@@ -43,6 +43,7 @@ import attrs
 import trio
 import trio_asyncio
 
+from .engine_connections import ConnectionSet
 from .errors import OutcomeUnknown, is_connection_error
 
 log = logging.getLogger("nasiko_queue.database")
@@ -169,7 +170,7 @@ class Database:
     from any task in the loop's scope.
     """
 
-    def __init__(self, loop: Any, pool: asyncpg.Pool, engine_pool: asyncpg.Pool,
+    def __init__(self, loop: Any, pool: asyncpg.Pool, engine_pool: ConnectionSet,
                  control_pool: asyncpg.Pool, config: DatabaseConfig) -> None:
         self._loop = loop
         self._pool = pool
@@ -192,7 +193,22 @@ class Database:
         queue's hot statements, whose generic plans are checked to be good
         (`tests/test_database.py`); never for application SQL.
         """
-        return await self._run_on(self._engine_pool, lambda conn: conn.fetch(query, *args))
+        engine = self._engine_pool
+
+        async def on_asyncio() -> list[asyncpg.Record]:
+            conn = await engine.acquire(self.config.connect_timeout)
+            broken = True
+            try:
+                rows: list[asyncpg.Record] = await conn.fetch(query, *args)
+                broken = False
+                return rows
+            except asyncpg.PostgresError as exc:
+                broken = isinstance(exc, asyncpg.PostgresConnectionError)
+                raise
+            finally:
+                engine.release(conn, broken=broken)
+
+        return await self._cross(on_asyncio())
 
     async def _run_on(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
         async def on_asyncio() -> T:
@@ -235,22 +251,41 @@ class Database:
                 came in time, or its connection broke before the answer; what
                 it did is unknown. Carries the server process's pid.
         """
-        pool = (self._control_pool if control else self._engine_pool if generic
-                else self._pool)
         flight = _Flight()
+        if generic:
+            engine = self._engine_pool
 
-        async def on_asyncio() -> T:
-            conn = await pool.acquire(timeout=min(bound, self.config.connect_timeout))
-            try:
-                if flight.abandoned:  # the trio side gave up while we waited for a connection
-                    raise _Abandoned()
-                flight.backend_pid = conn.get_server_pid()
-                return await op(conn)
-            except _BROKEN_CONNECTION:
-                conn.terminate()
-                raise
-            finally:
-                await self._release_after_use(pool, conn)
+            async def on_asyncio() -> T:
+                conn = await engine.acquire(min(bound, self.config.connect_timeout))
+                broken = True  # unless the statement answered, or failed by itself
+                try:
+                    if flight.abandoned:  # the trio side gave up while we waited
+                        broken = False
+                        raise _Abandoned()
+                    flight.backend_pid = conn.get_server_pid()
+                    result = await op(conn)
+                    broken = False
+                    return result
+                except asyncpg.PostgresError as exc:
+                    broken = isinstance(exc, asyncpg.PostgresConnectionError)
+                    raise
+                finally:
+                    engine.release(conn, broken=broken)
+        else:
+            pool = self._control_pool if control else self._pool
+
+            async def on_asyncio() -> T:
+                conn = await pool.acquire(timeout=min(bound, self.config.connect_timeout))
+                try:
+                    if flight.abandoned:  # the trio side gave up while we waited
+                        raise _Abandoned()
+                    flight.backend_pid = conn.get_server_pid()
+                    return await op(conn)
+                except _BROKEN_CONNECTION:
+                    conn.terminate()
+                    raise
+                finally:
+                    await self._release_after_use(pool, conn)
 
         task = self._loop.create_task(on_asyncio())
         answered = trio.Event()
@@ -556,7 +591,9 @@ async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
         ))
 
     pool = await create(config.max_connections)
-    engine_pool = await create(config.engine_connections, server_settings=ENGINE_SERVER_SETTINGS)
+    engine_pool = ConnectionSet(config.dsn, config.engine_connections,
+                                command_timeout=config.command_timeout,
+                                server_settings=ENGINE_SERVER_SETTINGS)
     control_pool = await create(CONTROL_CONNECTIONS)
     db = Database(loop, pool, engine_pool, control_pool, config)
     try:

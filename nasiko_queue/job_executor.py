@@ -85,7 +85,7 @@ class JobExecutor(Slots[JobStore]):
         label = f"{payload.kind} {label_of(payload)}"
         limit = self.executors.timeout_for(payload.kind) or self.config.job_timeout
         ran, _error = await self.run_guarded(job, lambda: executor(ctx), label, limit,
-                                             secret_values(payload))
+                                             lambda: secret_values(payload))
         if ran is Ran.CRASHED or ran is Ran.TIMED_OUT:
             # The error is kept and logged; the documented rule.
             await self.reset_panicked_job(job, payload.build_id)

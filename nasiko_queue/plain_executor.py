@@ -67,7 +67,7 @@ class PlainJobExecutor(Slots[PlainJobStore]):
                               queue=job.queue, payload=args, db=self.queue.db)
         limit = self.executors.timeout_for(args.kind) or self.config.job_timeout
         ran, error = await self.run_guarded(job, lambda: executor(ctx), label, limit,
-                                            secret_values(args))
+                                            lambda: secret_values(args))
         if error is not None:  # it crashed or timed out: kept, logged
             await self._retry(job, error)
             return None
