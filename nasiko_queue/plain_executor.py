@@ -10,8 +10,8 @@ The steps, in order:
    that adds one: a retry after the backoff, with that as the error);
 3. the arguments (any failure to parse: discarded `invalid job payload`; bad
    input is not retried, and the worker goes on);
-4. the run, in a child nursery of its own, bounded by the job's run-time limit
-   and by the fence (`JobExecutor.run_guarded`, the same as build jobs). A
+4. the run, guarded in a cancel scope of its own, bounded by the job's run-time
+   limit and by the fence (`Slots.run_guarded`, the same as build jobs). A
    return completes the job (the completer's batched statement); a crash or a
    timeout makes it available again after its backoff, or discards it on its
    last attempt; a cancel request stops it and ends it `cancelled`.

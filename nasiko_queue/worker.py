@@ -23,8 +23,9 @@ Shape (docs/rules.md §5, §8)::
                         finishes on each statement; gives back what never
                         started; resolves lost claims) and its slots
                         (`Slots.run_slot`: each runs one job at a time, its
-                        executor in a child nursery whose exceptions feed
-                        `reset_panicked_job`)
+                        executor guarded in a cancel scope of its own, so
+                        that its exceptions, and those of any task it
+                        starts, feed `reset_panicked_job`)
       the drain loop:   start a drain in every lane; wait for them to end; read
                         when each queue's next scheduled job is due; then wait
                         for a wake (the wake channel, capacity 64), the poll

@@ -198,6 +198,39 @@ async def test_panics_are_retried_at_once(queue: Queue, failures: int) -> None:
     assert (row["status"], row["attempt"], row["error_msg"]) == ("done", failures + 1, None)
 
 
+async def test_a_task_the_executor_starts_that_raises_is_a_panic_of_its_job(
+        queue: Queue) -> None:
+    """
+    The executor runs in its slot's task, not in a nursery of ours: a task it
+    starts in a nursery of its own that raises is still its job's crash (kept
+    with the task's message, retried at once), and the worker goes on.
+    """
+    runs: list[int] = []
+
+    async def with_helper_task(ctx: JobContext[Any]) -> None:
+        runs.append(ctx.attempt)
+
+        async def upload_logs() -> None:
+            if ctx.attempt == 1:
+                raise Boom("log upload failed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(upload_logs)
+        await succeed(ctx)
+
+    job = await enqueue_with_target(queue, "Upload")
+    async with running(queue, executors_for_all(with_helper_task)) as worker:
+        await worker.drain_once()
+        assert (worker.stats.panicked, worker.stats.done) == (1, 1)
+    assert runs == [1, 2]
+    row = await job_row(queue.db, job.job_id)
+    assert row is not None
+    assert (row["status"], row["attempt"]) == ("done", 2)
+    errors = await queue.db.fetch(
+        "SELECT message FROM nasiko_queue_job_errors WHERE job_id = $1", job.job_id)
+    assert [e["message"] for e in errors] == ["log upload failed"]
+
+
 @pytest.mark.parametrize("prior_success", [False, True])
 async def test_always_panicking_job_runs_three_times(queue: Queue, prior_success: bool) -> None:
     """
