@@ -199,7 +199,8 @@ class Database:
             conn = await engine.acquire(self.config.connect_timeout)
             broken = True
             try:
-                rows: list[asyncpg.Record] = await conn.fetch(query, *args)
+                rows: list[asyncpg.Record] = await conn.fetch(
+                    query, *args, timeout=self.config.command_timeout)
                 broken = False
                 return rows
             except asyncpg.PostgresError as exc:
@@ -237,7 +238,10 @@ class Database:
         would wait for its task, and asyncpg for the server's answer to the
         cancellation), and the task ends on its own later, bounded by asyncpg's
         timeouts, its result dropped. `op` should pass `timeout=bound` to its
-        statements. A task abandoned before it sent anything never sends it.
+        statements, except on the engine's connections (`generic`): there an
+        abandoned operation's connection is closed, which ends it at once, and a
+        statement timeout would only add a timer per statement. A task abandoned
+        before it sent anything never sends it.
 
         Args:
             generic: run on the queue's own pool, where statements keep generic
@@ -263,6 +267,7 @@ class Database:
                         broken = False
                         raise _Abandoned()
                     flight.backend_pid = conn.get_server_pid()
+                    flight.conn = conn
                     result = await op(conn)
                     broken = False
                     return result
@@ -297,6 +302,11 @@ class Database:
             if not task.done():
                 flight.abandoned = True
                 task.add_done_callback(_drop_late_result)
+                if flight.conn is not None:
+                    # The engine's connections carry no statement timeout (each is a
+                    # timer callback, a scheduler pass under trio-asyncio): closing
+                    # the socket is what ends the abandoned task's wait instead.
+                    flight.conn.terminate()
         if not task.done():
             if flight.backend_pid is None:
                 raise TimeoutError(f"no connection within {bound}s")
@@ -517,6 +527,8 @@ class _Flight:
     abandoned: bool = False
     #: The server process of the connection the operation used, once it had one.
     backend_pid: int | None = None
+    #: That connection, when it is one of the engine's (`ConnectionSet`).
+    conn: asyncpg.Connection | None = None
 
 
 class _Abandoned(Exception):
@@ -591,8 +603,8 @@ async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
         ))
 
     pool = await create(config.max_connections)
+    # No command_timeout: `run_bounded` bounds these statements itself (see there).
     engine_pool = ConnectionSet(config.dsn, config.engine_connections,
-                                command_timeout=config.command_timeout,
                                 server_settings=ENGINE_SERVER_SETTINGS)
     control_pool = await create(CONTROL_CONNECTIONS)
     db = Database(loop, pool, engine_pool, control_pool, config)

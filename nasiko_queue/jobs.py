@@ -187,7 +187,7 @@ async def fetch_claiming(db: Database, sql: str, args: tuple[object, ...], *,
     """
     try:
         rows: list[asyncpg.Record] = await db.run_bounded(
-            lambda conn: conn.fetch(sql, *args, timeout=bound), bound=bound, generic=True)
+            lambda conn: conn.fetch(sql, *args), bound=bound, generic=True)
     except OutcomeUnknown as exc:
         if claims:
             raise ClaimOutcomeUnknown(LostClaim(token, exc.backend_pid), exc) from exc
