@@ -29,7 +29,9 @@ STATEMENTS_IN_FLIGHT = 2
 def _stats_changed(stats: WorkerStats, attribute: attrs.Attribute[int], value: int) -> int:
     """attrs `on_setattr` hook: every change of a counter wakes `Worker.wait_for`."""
     lot = stats._changed_lot
-    if lot is not None and attribute.name != "_changed_lot":
+    # `if lot`: nobody waiting is the usual case, and a ParkingLot's len is cheap
+    # beside unpark_all (about 0.5 µs per counter change, several per job).
+    if lot and attribute.name != "_changed_lot":
         lot.unpark_all()
     return value
 
