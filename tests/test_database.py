@@ -184,6 +184,82 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     assert "Seq Scan on build_jobs" not in plan, plan
 
 
+@pytest.mark.parametrize("name", ["jobs_finish_many_and_claim",
+                                  "jobs_finish_many_and_claim_kinds"])
+async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
+    queue: Queue, name: str
+) -> None:
+    """
+    The finish of K jobs reads those K rows, not every in_progress row of every
+    worker: with 2,000 jobs running elsewhere, its generic plan (which, from
+    statistics taken while few jobs ran, takes in_progress for rare) must not
+    scan the in_progress part of the work-queue index.
+    """
+    from nasiko_queue._sql import Q
+
+    agent = (await enqueue_with_target(queue, "Upload")).target_id
+    await queue.db.execute(
+        "INSERT INTO build_jobs (agent_id, owner_id, status, payload, completed_at) "
+        "SELECT $1, gen_random_uuid(), 'done', '{\"kind\": \"Upload\"}', now() "
+        "FROM generate_series(1, 3000)", agent)
+    await queue.db.execute("ANALYZE build_jobs")
+    await queue.db.execute(
+        "INSERT INTO build_jobs (agent_id, owner_id, status, payload, picked_at, attempt) "
+        "SELECT $1, gen_random_uuid(), 'in_progress', '{\"kind\": \"Upload\"}', now(), 1 "
+        "FROM generate_series(1, 2000)", agent)
+    kinds = "'{Upload}'::text[]"
+    ids = "ARRAY[gen_random_uuid()]"
+    types = "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid"
+    args = (f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
+            "gen_random_uuid(), gen_random_uuid()")
+
+    async def explain(conn: Any) -> list[str]:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(f"PREPARE nq_plan_check({types}) AS {getattr(Q, name)}")
+            try:
+                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
+            finally:
+                await conn.execute("DEALLOCATE nq_plan_check")
+
+    plan = "\n".join(await queue.db.run(explain))
+    assert "status = 'in_progress'" not in plan, plan
+    assert "build_jobs_pkey" in plan, plan
+
+
+async def test_the_plain_finish_probes_its_jobs_by_primary_key(queue: Queue) -> None:
+    """`plain_finish_many_and_claim`, as the test above: 2,000 jobs running
+    elsewhere are not read to finish one."""
+    from nasiko_queue._sql import Q
+
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, finished_at, "
+        "max_attempts) SELECT gen_random_uuid(), 'default', 'k', '{}', 'completed', now(), 20 "
+        "FROM generate_series(1, 3000)")
+    await queue.db.execute("ANALYZE nasiko_queue_jobs")
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, attempt, claimed_by, "
+        "max_attempts) SELECT gen_random_uuid(), 'default', 'k', '{}', 'running', 1, "
+        "gen_random_uuid(), 20 "
+        "FROM generate_series(1, 2000)")
+    types = "uuid[], int[], text, int, uuid, uuid, int"
+    args = "ARRAY[gen_random_uuid()], ARRAY[1], 'default', 10, gen_random_uuid(), NULL, 1000"
+
+    async def explain(conn: Any) -> list[str]:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(
+                f"PREPARE nq_plan_check({types}) AS {Q.plain_finish_many_and_claim}")
+            try:
+                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
+            finally:
+                await conn.execute("DEALLOCATE nq_plan_check")
+
+    plan = "\n".join(await queue.db.run(explain))
+    assert "nasiko_queue_jobs_running" not in plan, plan
+    assert "nasiko_queue_jobs_pkey" in plan, plan
+
+
 async def test_every_named_statement_is_valid_sql_for_the_schema(db: Database) -> None:
     """Each statement of queries.sql is parsed and planned by the server (prepared,
     not run), so that one the tests reach only rarely cannot hide a syntax error or

@@ -478,7 +478,11 @@ WITH input AS (
         error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
         completed_at = now()
     FROM outcome AS o
-    WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt
+    -- A primary-key probe per finished job: the status test is written so that no
+    -- index on status matches it, or the plan (generic ones most of all, which
+    -- take in_progress for rare) reads every in_progress row of every worker.
+    WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
+      AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
     RETURNING j.id, j.status
 ), claimed AS (
     UPDATE build_jobs AS j
@@ -540,7 +544,11 @@ WITH input AS (
         error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
         completed_at = now()
     FROM outcome AS o
-    WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt
+    -- A primary-key probe per finished job: the status test is written so that no
+    -- index on status matches it, or the plan (generic ones most of all, which
+    -- take in_progress for rare) reads every in_progress row of every worker.
+    WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
+      AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
     RETURNING j.id, j.status
 ), claimed AS (
     UPDATE build_jobs AS j
@@ -912,7 +920,10 @@ WITH finished AS (
     UPDATE nasiko_queue_jobs AS j
     SET state = 'completed', finished_at = now(), error_msg = NULL
     FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
-    WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt
+    -- By primary key: a state test an index of running jobs matches would read
+    -- every running job of every worker (as in jobs_finish_many_and_claim).
+    WHERE j.id = ANY ($1::uuid[]) AND j.id = i.id AND coalesce(j.state, '') = 'running'
+      AND j.attempt = i.attempt
     RETURNING j.id, j.state
 ), claimed AS (
     UPDATE nasiko_queue_jobs AS j
