@@ -33,6 +33,7 @@ updates with backoff; a claim that fails waits for the next wake).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -94,6 +95,14 @@ class DatabaseConfig:
     #: `ctx.db` keep PostgreSQL's usual planning. One per worker on the database
     #: object is enough; more workers share them.
     engine_connections: int = 2
+    # -- enqueue (issue #13) --
+    #: Connections kept open beside the pools for the queue's own one-statement
+    #: writes (`Queue.enqueue` without `tx`, `enqueue_many`). A statement on one
+    #: of them is one asyncio task; through the pool it is four more (acquire and
+    #: release run under timeouts and a shield of their own), which took about
+    #: half of an enqueue's time under trio-asyncio. More enqueues at once than
+    #: this take pooled connections; 0 sends every one through the pool.
+    enqueue_connections: int = 2
 
 
 class Transaction:
@@ -176,6 +185,7 @@ class Database:
         self._engine_pool = engine_pool
         self._control_pool = control_pool
         self.config = config
+        self._kept = _Kept()  # -- enqueue (issue #13)
 
     async def _cross(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run one asyncio coroutine on our loop; the single bridge crossing."""
@@ -195,19 +205,118 @@ class Database:
         return await self._run_on(self._engine_pool, lambda conn: conn.fetch(query, *args))
 
     async def _run_on(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
+        return await self._cross(self._pooled(pool, op))
+
+    async def _pooled(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
+        """`op(conn)` with a connection of `pool`, on the asyncio side."""
+        conn = await pool.acquire(timeout=self.config.connect_timeout)
+        try:
+            return await op(conn)
+        except _BROKEN_CONNECTION:
+            # The connection itself failed (dropped, or left in a state asyncpg
+            # cannot continue from): never hand it out again.
+            conn.terminate()
+            raise
+        finally:
+            await self._release_after_use(pool, conn)
+
+    # -- enqueue (issue #13) --------------------------------------------------------
+
+    async def run_kept(self, op: Operation[T]) -> T:
+        """
+        Run `op(conn)` in one crossing on a connection kept for the queue's own
+        writes (`DatabaseConfig.enqueue_connections`), or a pooled one when every
+        kept connection is busy.
+
+        For statements that leave nothing open behind them: autocommit
+        statements, or a transaction that `op` begins and ends itself (a kept
+        connection left in one is closed). As with a pooled connection, one that
+        failed as a connection is closed; and a statement cancelled (by the
+        caller's cancel scope, or `command_timeout`) is settled before the call
+        returns: asyncpg asks the server to cancel it, and the connection serves
+        again only once the server answered (bounded by `cleanup_timeout`, else
+        it is closed). So the caller's next step sees the cancelled statement
+        either done or undone, as the pool's release made it.
+        """
+
         async def on_asyncio() -> T:
-            conn = await pool.acquire(timeout=self.config.connect_timeout)
+            conn = await self._take_kept()
+            if conn is None:
+                return await self._pooled(self._pool, op)
             try:
-                return await op(conn)
+                result = await op(conn)
             except _BROKEN_CONNECTION:
-                # The connection itself failed (dropped, or left in a state asyncpg
-                # cannot continue from): never hand it out again.
-                conn.terminate()
+                self._drop_kept(conn)
                 raise
-            finally:
-                await self._release_after_use(pool, conn)
+            except (asyncio.CancelledError, TimeoutError):
+                await self._settle_kept(conn)
+                raise
+            except BaseException:
+                self._return_kept(conn)
+                raise
+            self._return_kept(conn)
+            return result
 
         return await self._cross(on_asyncio())
+
+    async def _take_kept(self) -> asyncpg.Connection | None:
+        """An idle kept connection, a new one if there may be one more, else None."""
+        kept, now = self._kept, self._loop.time()
+        while kept.idle:
+            conn, since = kept.idle.pop()  # the most recent: the others may age out
+            if not conn.is_closed() and now - since < KEPT_IDLE_LIFETIME:
+                return conn
+            # Closed by the server, or idle so long that a firewall may have
+            # forgotten it (the pool closes its own idle ones after as long).
+            self._drop_kept(conn, graceful=True)
+        if kept.closing or kept.open >= self.config.enqueue_connections:
+            return None
+        kept.open += 1
+        try:
+            conn = await asyncpg.connect(self.config.dsn,
+                                         command_timeout=self.config.command_timeout,
+                                         timeout=self.config.connect_timeout)
+        except BaseException:
+            kept.open -= 1
+            raise
+        return conn
+
+    async def _settle_kept(self, conn: asyncpg.Connection) -> None:
+        """Wait until the server answered a cancelled statement (asyncpg's next
+        statement waits for that first), then keep the connection; else close it."""
+        try:
+            await conn.fetchval("SELECT 1", timeout=self.config.cleanup_timeout)
+        except BaseException:
+            self._drop_kept(conn)
+            raise
+        self._return_kept(conn)
+
+    def _return_kept(self, conn: asyncpg.Connection) -> None:
+        if self._kept.closing or conn.is_closed() or conn.is_in_transaction():
+            self._drop_kept(conn)
+        else:
+            self._kept.idle.append((conn, self._loop.time()))
+
+    def _drop_kept(self, conn: asyncpg.Connection, *, graceful: bool = False) -> None:
+        self._kept.open -= 1
+        if conn.is_closed():
+            return
+        if graceful:
+            task = self._loop.create_task(conn.close(timeout=self.config.cleanup_timeout))
+            task.add_done_callback(_drop_late_result)
+        else:
+            conn.terminate()
+
+    async def _close_kept(self) -> None:
+        """Close the idle kept connections (bounded); busy ones close when returned."""
+        kept = self._kept
+        kept.closing = True
+        idle, kept.idle = kept.idle, []
+        for conn, _since in idle:
+            kept.open -= 1
+            if not conn.is_closed() and not await self._cleanup(
+                    conn.close(timeout=self.config.cleanup_timeout), "close"):
+                conn.terminate()
 
     async def run_bounded(self, op: Operation[T], *, bound: float,
                           generic: bool = False, control: bool = False) -> T:
@@ -435,6 +544,7 @@ class Database:
     async def aclose(self) -> None:
         """Close the pools; shielded and bounded, then forced."""
         with trio.CancelScope(shield=True):
+            await self._close_kept()  # -- enqueue (issue #13)
             for pool in (self._control_pool, self._engine_pool, self._pool):
                 with trio.move_on_after(self.config.cleanup_timeout):
                     await self._cross(pool.close())
@@ -473,6 +583,24 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
         if raised is not None and _leaves(group) == [raised]:
             raise raised from None
         raise
+
+
+# -- enqueue (issue #13) --
+#: Seconds a kept connection may sit idle and still be used (asyncpg's pool
+#: closes its idle connections after as long, by default).
+KEPT_IDLE_LIFETIME = 300.0
+
+
+@attrs.define
+class _Kept:
+    """The connections kept for the queue's writes (`Database.run_kept`)."""
+
+    #: Idle ones, with the loop time each was last returned at.
+    idle: list[tuple[asyncpg.Connection, float]] = attrs.Factory(list)
+    #: Open or opening, idle or in use.
+    open: int = 0
+    #: The database is closing: no new ones, and returned ones are closed.
+    closing: bool = False
 
 
 @attrs.define

@@ -12,11 +12,12 @@ and enqueue never waits for a worker.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
+
+import asyncpg
 
 from ._sql import Q
 from .config import QueueConfig
@@ -25,6 +26,12 @@ from .errors import PayloadTooLarge
 from .job_args import JobArgs, JobOptions, Unique
 from .payloads import Payload, PayloadCodec
 from .secrets import SecretBox
+
+# -- enqueue (issue #13) --
+#: Rows of one statement of `enqueue_many`: a batch of more goes in several
+#: statements of one transaction, so that no call builds one giant statement
+#: (its arrays are held whole by the client and the server while it runs).
+ENQUEUE_MANY_CHUNK = 5_000
 
 #: Inserts a unique enqueue tries while the job holding its key keeps ending
 #: between the insert and the look-up of its id.
@@ -151,7 +158,7 @@ class Queue:
         return (opts.queue, args.kind, text, opts.priority, opts.max_attempts, run_at, seconds)
 
     def _encoded(self, payload: Payload | JobArgs) -> str:
-        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
+        text = self._codec.dumps(payload)
         size = len(text.encode("utf-8"))
         if size > self.config.max_payload_bytes:
             raise PayloadTooLarge(
@@ -221,25 +228,61 @@ class Queue:
                 raise
         build_ids = [uuid4() for _ in rows]
         plain_ids = [uuid4() for _ in plain]
-        if tx is None and rows and plain:
-            # Both statements or neither.
-            async with self.db.transaction() as both:
-                await self._insert_many(rows, build_ids, plain, plain_ids, both)
-        else:
-            await self._insert_many(rows, build_ids, plain, plain_ids, tx)
+        await self._insert_many(rows, build_ids, plain, plain_ids, tx)
         build_iter, plain_iter = iter(build_ids), iter(plain_ids)
         return [next(plain_iter) if is_plain else next(build_iter) for is_plain in order]
 
+    # -- enqueue (issue #13) --
     async def _insert_many(self, rows: list[tuple[UUID | None, UUID | None, UUID, str]],
                            build_ids: list[UUID], plain: list[tuple[object, ...]],
                            plain_ids: list[UUID], tx: Transaction | None) -> None:
-        if rows:
-            columns = (build_ids, *([r[i] for r in rows] for i in range(4)))
-            await self._insert(Q.jobs_insert_many, Q.jobs_insert_many_notify, columns, tx)
-        if plain:
-            plain_columns = (plain_ids, *([r[i] for r in plain] for i in range(7)))
-            await self._insert(Q.plain_insert_many, Q.plain_insert_many_notify,
-                               plain_columns, tx)
+        """
+        The batch in statements of at most `ENQUEUE_MANY_CHUNK` rows, in order.
+
+        Without `tx`, all of them cross to asyncio at once, on a kept connection:
+        one statement commits by itself; several run in one transaction of their
+        own (all or nothing), begun and committed inside that same crossing.
+        """
+        statements: list[tuple[str, str, tuple[list[Any], ...]]] = []
+        for start in range(0, len(rows), ENQUEUE_MANY_CHUNK):
+            chunk = rows[start:start + ENQUEUE_MANY_CHUNK]
+            statements.append((Q.jobs_insert_many, Q.jobs_insert_many_notify, (
+                build_ids[start:start + ENQUEUE_MANY_CHUNK],
+                *([r[i] for r in chunk] for i in range(4)))))
+        for start in range(0, len(plain), ENQUEUE_MANY_CHUNK):
+            plain_chunk = plain[start:start + ENQUEUE_MANY_CHUNK]
+            statements.append((Q.plain_insert_many, Q.plain_insert_many_notify, (
+                plain_ids[start:start + ENQUEUE_MANY_CHUNK],
+                *([r[i] for r in plain_chunk] for i in range(7)))))
+        if not statements:
+            return
+        if tx is not None:
+            # The first NOTIFYs (once per transaction) and wakes after commit, as
+            # one `enqueue` does; the others only insert.
+            first, *rest = statements
+            await self._insert(*first, tx)
+            for quiet, _notifying, columns in rest:
+                await tx.execute(quiet, *columns)
+            return
+        channel = self.config.notify_channel
+
+        async def insert(conn: asyncpg.Connection) -> None:
+            # The first statement NOTIFYs: once per transaction, sent at its commit.
+            for index, (quiet, notifying, columns) in enumerate(statements):
+                if index == 0 and channel is not None:
+                    await conn.execute(notifying, *columns, channel)
+                else:
+                    await conn.execute(quiet, *columns)
+
+        async def insert_all(conn: asyncpg.Connection) -> None:
+            if len(statements) == 1:
+                await insert(conn)
+            else:
+                async with conn.transaction():
+                    await insert(conn)
+
+        await self.db.run_kept(insert_all)
+        self.wake()
 
     async def _insert(self, plain: str, notifying: str, args: Sequence[object],
                       tx: Transaction | None) -> Any:
@@ -251,11 +294,10 @@ class Queue:
         """
         channel = self.config.notify_channel
         if tx is None:
-            # The insert and its NOTIFY in one statement: one crossing, one commit.
-            if channel is None:
-                value = await self.db.fetchval(plain, *args)
-            else:
-                value = await self.db.fetchval(notifying, *args, channel)
+            # The insert and its NOTIFY in one statement: one crossing, one commit,
+            # on a kept connection (no pool round trip of tasks and timers).
+            query, params = (plain, args) if channel is None else (notifying, (*args, channel))
+            value = await self.db.run_kept(lambda conn: conn.fetchval(query, *params))
             self.wake()
             return value
         if channel is None or channel in tx._notified:
