@@ -430,3 +430,29 @@ async def test_without_kept_connections_enqueue_takes_a_pooled_one(dsn: str) -> 
         assert db._kept.open == 0
         assert await db.fetchval(
             "SELECT array_agg(id ORDER BY run_at) FROM nasiko_queue_jobs") == ids
+
+
+async def test_a_large_mixed_batch_keeps_each_kind_in_order_and_ids_in_the_order_given(
+    queue: Queue,
+) -> None:
+    """Build and plain jobs interleaved, more than a chunk of each (the pipelined
+    path): the ids come back in the order given, and each table has its jobs in
+    that order, all in one transaction with one NOTIFY for both."""
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK
+
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    build = make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner)
+    batch: list[Any] = [Note(n=i) if i % 3 else build for i in range(3 * ENQUEUE_MANY_CHUNK + 7)]
+    ids = await queue.enqueue_many(batch)
+    build_ids = [j for j, p in zip(ids, batch, strict=True) if p is build]
+    plain_ids = [j for j, p in zip(ids, batch, strict=True) if p is not build]
+    assert len(build_ids) > ENQUEUE_MANY_CHUNK
+    assert len(plain_ids) > ENQUEUE_MANY_CHUNK
+    assert await queue.db.fetchval(
+        "SELECT array_agg(id ORDER BY created_at) FROM build_jobs") == build_ids
+    assert await queue.db.fetchval(
+        "SELECT array_agg(id ORDER BY run_at) FROM nasiko_queue_jobs") == plain_ids
+    assert await queue.db.fetchval(
+        "SELECT count(DISTINCT xmin::text) FROM (SELECT xmin FROM build_jobs UNION ALL "
+        "SELECT xmin FROM nasiko_queue_jobs) AS rows") == 1
