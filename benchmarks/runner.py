@@ -45,7 +45,7 @@ class Sizes:
     #: Each enqueue-vs-bare pair is measured this many times, interleaved.
     enqueue_rounds: int = 2
     #: One per call: the engine and ceiling e1 take turns, this many blocks each.
-    enqueue_blocks: int = 10
+    enqueue_blocks: int = 20
 
 
 DEFAULT = Sizes()
@@ -225,11 +225,12 @@ def _enqueue_assemble(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
         e2 = [raw[f"ceiling e2 {kind} #{r}"] for r in rounds]
         many = [raw[f"enqueue_many {kind} #{r}"] for r in rounds]
         out[kind] = {}
-        for what, bare, eng in (
+        for what, bare, eng, paired in (
                 ("one_per_call", [x["bare_jobs_per_s"] for x in single],
-                 [x["engine_jobs_per_s"] for x in single]),
-                ("many", [x["jobs_per_s"] for x in e2], many)):
-            ratios = [e / b for e, b in zip(eng, bare, strict=True)]
+                 [x["engine_jobs_per_s"] for x in single], [x["ratio"] for x in single]),
+                ("many", [x["jobs_per_s"] for x in e2], many, None)):
+            # One per call: each round's median over its blocks (see the workload).
+            ratios = paired or [e / b for e, b in zip(eng, bare, strict=True)]
             out[kind][what] = {"bare_jobs_per_s": bare, "engine_jobs_per_s": eng,
                                "ratios": ratios, "ratio": statistics.median(ratios)}
         m = out[kind]["many"]
