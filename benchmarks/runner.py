@@ -43,7 +43,7 @@ class Sizes:
     #: Jobs of one `enqueue_many` call (and of ceiling e2).
     enqueue_many_jobs: int = 20_000
     #: Each enqueue-vs-bare pair is measured this many times, interleaved.
-    enqueue_rounds: int = 2
+    enqueue_rounds: int = 3
     #: One per call: the engine and ceiling e1 take turns, this many blocks each.
     enqueue_blocks: int = 20
 
@@ -55,7 +55,7 @@ FULL = Sizes(drain_jobs=10_000,
              enqueue_jobs=3000,
              latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
              replica_jobs=10_000, ceiling_jobs=10_000, enqueue_many_jobs=50_000,
-             enqueue_rounds=3)
+             enqueue_rounds=5)
 TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_jobs=20,
              latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
@@ -187,9 +187,11 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
 
 # -- enqueue (issue #13) -------------------------------------------------------
 #
-# Each engine enqueue figure right after its bare ceiling, the pair repeated
-# `enqueue_rounds` times: e1 then one-per-call, e2 then enqueue_many, for build
-# and plain jobs. A ratio is taken within its pair; the summary is their median.
+# Each engine enqueue figure beside its bare ceiling, measured back to back, the
+# pair repeated `enqueue_rounds` times: one per call against e1 (in interleaved
+# blocks), enqueue_many against e2 (which goes first alternates by round), for
+# build and plain jobs. A ratio is taken within its pair; the summary is the
+# median of the rounds'.
 
 _KINDS = ("build", "plain")
 
@@ -203,13 +205,9 @@ def _enqueue_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
                           lambda kind=kind: workloads.enqueue_one_per_call(
                               dsn, kind, s.enqueue_jobs, blocks)))
         for kind in _KINDS:
-            pair = [
-                (f"ceiling e2 {kind} #{r + 1}",
-                 lambda kind=kind: workloads.ceiling_e2(dsn, kind, s.enqueue_many_jobs)),
-                (f"enqueue_many {kind} #{r + 1}",
-                 lambda kind=kind: workloads.enqueue_many_once(dsn, kind, s.enqueue_many_jobs)),
-            ]
-            steps += pair if r % 2 == 0 else pair[::-1]  # which goes first alternates
+            steps.append((f"enqueue_many {kind} #{r + 1}",
+                          lambda kind=kind, r=r: workloads.enqueue_many_pair(
+                              dsn, kind, s.enqueue_many_jobs, engine_first=r % 2 == 1)))
     return steps
 
 
@@ -222,8 +220,8 @@ def _enqueue_assemble(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
     for kind in _KINDS:
         rounds = range(1, s.enqueue_rounds + 1)
         single = [raw[f"enqueue 1/call {kind} #{r}"] for r in rounds]
-        e2 = [raw[f"ceiling e2 {kind} #{r}"] for r in rounds]
-        many = [raw[f"enqueue_many {kind} #{r}"] for r in rounds]
+        e2 = [raw[f"enqueue_many {kind} #{r}"]["bare"] for r in rounds]
+        many = [raw[f"enqueue_many {kind} #{r}"]["engine_jobs_per_s"] for r in rounds]
         out[kind] = {}
         for what, bare, eng, paired in (
                 ("one_per_call", [x["bare_jobs_per_s"] for x in single],

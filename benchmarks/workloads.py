@@ -457,9 +457,9 @@ def enqueue_rows(kind: str, payloads: list[Any]) -> list[tuple[Any, ...]]:
     return [(p.agent_id, None, p.owner_id, codec.dumps(p), channel) for p in payloads]
 
 
-def ceiling_e2(dsn: str, kind: str, n: int) -> dict[str, float]:
+def ceiling_e2(dsn: str, kind: str, payloads: list[Any]) -> dict[str, float]:
     """Ceiling e2 for `kind`: the rows in one bare multi-row INSERT, and by COPY."""
-    rows = enqueue_rows(kind, enqueue_payloads(dsn, kind, n))
+    rows = enqueue_rows(kind, payloads)
     channel = rows[0][-1]
     ids = [uuid.uuid4() for _ in rows]
     if kind == "plain":
@@ -510,13 +510,19 @@ def enqueue_one_per_call(dsn: str, kind: str, n: int, blocks: int) -> dict[str, 
             "ratio": statistics.median(b / e for b, e in zip(bare_s, engine_s, strict=True))}
 
 
-def enqueue_many_once(dsn: str, kind: str, n: int) -> float:
-    """One `Queue.enqueue_many` of `n` payloads."""
+def enqueue_many_pair(dsn: str, kind: str, n: int, engine_first: bool) -> dict[str, Any]:
+    """
+    One `Queue.enqueue_many` of `n` payloads, and ceiling e2 on the same `n`
+    targets, one right after the other (`engine_first` says which goes first),
+    each into an empty job table.
+    """
     payloads = enqueue_payloads(dsn, kind, n)
+    table = "nasiko_queue_jobs" if kind == "plain" else "build_jobs"
 
     async def main() -> float:
         async with open_database(dsn) as db:
             queue = _bench_queue(db)
+            await db.run_kept(lambda conn: conn.fetchval("SELECT 1"))
             await db.fetchval("SELECT 1")
             t0 = time.perf_counter()
             ids = await queue.enqueue_many(payloads)
@@ -525,7 +531,14 @@ def enqueue_many_once(dsn: str, kind: str, n: int) -> float:
                 raise RuntimeError(f"enqueue_many returned {len(ids)} ids for {n} jobs")
             return n / elapsed
 
-    return trio.run(main)
+    out: dict[str, Any] = {}
+    for which in ("engine", "bare") if engine_first else ("bare", "engine"):
+        _sql(dsn, f"TRUNCATE {table}")
+        if which == "engine":
+            out["engine_jobs_per_s"] = trio.run(main)
+        else:
+            out["bare"] = ceiling_e2(dsn, kind, payloads)
+    return out
 
 
 __all__ = ["Q", "ceiling_prepare", "drain", "enqueue", "history", "latency", "replicas"]
