@@ -600,7 +600,7 @@ _JSON: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow
 @functools.cache
 def _encode_plan(
     cls: type[AnyPayload],
-) -> tuple[tuple[str, Callable[[Any], Any], "attrs.Attribute[Any] | None"], ...]:
+) -> tuple[tuple[str, Callable[[Any], Any] | None, "attrs.Attribute[Any] | None"], ...]:
     """
     How `PayloadCodec.encode` writes each field of `cls`: its name, its cattrs
     unstructure hook (the one `converter.unstructure(value, unstructure_as=type)`
@@ -609,10 +609,19 @@ def _encode_plan(
     registered on `converter` after a class's first encode does not apply to it.
     """
     _check_type(cls)
-    return tuple(
-        (f.name, converter.get_unstructure_hook(f.type), f if f.metadata.get(SEALED) else None)
-        for f in _attrs_fields(cls) if f.init
-    )
+    plan = []
+    for f in _attrs_fields(cls):
+        if not f.init:
+            continue
+        hook = converter.get_unstructure_hook(f.type)
+        sealed = f if f.metadata.get(SEALED) else None
+        # None: the value is its own JSON (str, int, bool: cattrs' identity hook).
+        plan.append((f.name, None if hook is _IDENTITY and sealed is None else hook, sealed))
+    return tuple(plan)
+
+
+#: cattrs' unstructure hook of the types that are their own JSON.
+_IDENTITY: Final = converter.get_unstructure_hook(str)
 
 
 def _bad_field(data: dict[str, Any]) -> str | None:
@@ -708,7 +717,9 @@ class PayloadCodec:
         out: dict[str, Any] = {"kind": cls.kind}
         for name, unstructure, sealed in _encode_plan(cls):
             value = getattr(payload, name)
-            if sealed is None:
+            if unstructure is None:
+                out[name] = value
+            elif sealed is None:
                 out[name] = unstructure(value)
             elif sealed.metadata.get(PLAINTEXT_COMPAT) and not self._seal_compat:
                 out[name] = _plain(payload, name, value)
