@@ -97,7 +97,8 @@ class DatabaseConfig:
     engine_connections: int = 2
     # -- enqueue (issue #13) --
     #: Connections kept open beside the pools for the queue's own one-statement
-    #: writes (`Queue.enqueue` without `tx`, `enqueue_many`). A statement on one
+    #: writes (`Queue.enqueue` and `enqueue_many` of up to 2,000 jobs, without
+    #: `tx`; a larger batch holds a pooled transaction). A statement on one
     #: of them is one asyncio task; through the pool it is four more (acquire and
     #: release run under timeouts and a shield of their own), which took about
     #: half of an enqueue's time under trio-asyncio. More enqueues at once than
