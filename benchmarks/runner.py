@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,8 @@ import attrs
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from nasiko_queue.queue import ENQUEUE_MANY_CHUNK  # -- enqueue (issue #13)
 
 from . import ceilings, workloads
 
@@ -36,6 +39,13 @@ class Sizes:
     replica_processes: tuple[int, ...] = (1, 2, 4)
     replica_concurrency: int = 10
     ceiling_jobs: int = 3000
+    # -- enqueue (issue #13) --
+    #: Jobs of one `enqueue_many` call (and of ceiling e2).
+    enqueue_many_jobs: int = 20_000
+    #: Each enqueue-vs-bare pair is measured this many times, interleaved.
+    enqueue_rounds: int = 3
+    #: One per call: the engine and ceiling e1 take turns, this many blocks each.
+    enqueue_blocks: int = 20
 
 
 DEFAULT = Sizes()
@@ -44,11 +54,13 @@ FULL = Sizes(drain_jobs=10_000,
                              (1, 8), (1, 32), (1, 128), (10, 20), (10, 100), (50, 200)),
              enqueue_jobs=3000,
              latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
-             replica_jobs=10_000, ceiling_jobs=10_000)
+             replica_jobs=10_000, ceiling_jobs=10_000, enqueue_many_jobs=50_000,
+             enqueue_rounds=5)
 TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_jobs=20,
              latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
-             replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30)
+             replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30,
+             enqueue_many_jobs=60, enqueue_rounds=1)
 
 
 def _drain_step(concurrency: int, prefetch: int) -> str:
@@ -98,6 +110,7 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
     for p in s.replica_processes:
         steps.append((f"replicas {p}", lambda p=p: workloads.replicas(
             dsn, s.replica_jobs, p, s.replica_concurrency)))
+    steps += _enqueue_steps(s, dsn)  # -- enqueue (issue #13)
     return steps
 
 
@@ -168,7 +181,92 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "latency": raw["latency"],
         "history": hist,
         "replicas": reps,
+        "enqueue_vs_bare": _enqueue_assemble(raw, s),  # -- enqueue (issue #13)
     }
+
+
+# -- enqueue (issue #13) -------------------------------------------------------
+#
+# Each engine enqueue figure beside its bare ceiling, measured back to back, the
+# pair repeated `enqueue_rounds` times: one per call against e1 (in interleaved
+# blocks), enqueue_many against e2 (which goes first alternates by round), for
+# build and plain jobs. A ratio is taken within its pair; the summary is the
+# median of the rounds'.
+
+_KINDS = ("build", "plain")
+
+
+def _enqueue_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+    steps: list[tuple[str, Callable[[], Any]]] = []
+    blocks = max(1, min(s.enqueue_blocks, s.enqueue_jobs))
+    for r in range(s.enqueue_rounds):
+        for kind in _KINDS:
+            steps.append((f"enqueue 1/call {kind} #{r + 1}",
+                          lambda kind=kind: workloads.enqueue_one_per_call(
+                              dsn, kind, s.enqueue_jobs, blocks)))
+        for kind in _KINDS:
+            steps.append((f"enqueue_many {kind} #{r + 1}",
+                          lambda kind=kind, r=r: workloads.enqueue_many_pair(
+                              dsn, kind, s.enqueue_many_jobs, engine_first=r % 2 == 1)))
+    return steps
+
+
+def _enqueue_assemble(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
+    out: dict[str, Any] = {"jobs_one_per_call": s.enqueue_jobs,
+                           "blocks_one_per_call": max(1, min(s.enqueue_blocks, s.enqueue_jobs)),
+                           "jobs_enqueue_many": s.enqueue_many_jobs,
+                           "chunk_enqueue_many": ENQUEUE_MANY_CHUNK,
+                           "rounds": s.enqueue_rounds}
+    for kind in _KINDS:
+        rounds = range(1, s.enqueue_rounds + 1)
+        single = [raw[f"enqueue 1/call {kind} #{r}"] for r in rounds]
+        e2 = [raw[f"enqueue_many {kind} #{r}"]["bare"] for r in rounds]
+        many = [raw[f"enqueue_many {kind} #{r}"]["engine_jobs_per_s"] for r in rounds]
+        out[kind] = {}
+        for what, bare, eng, paired in (
+                ("one_per_call", [x["bare_jobs_per_s"] for x in single],
+                 [x["engine_jobs_per_s"] for x in single], [x["ratio"] for x in single]),
+                ("many", [x["jobs_per_s"] for x in e2], many, None)):
+            # One per call: each round's median over its blocks (see the workload).
+            ratios = paired or [e / b for e, b in zip(eng, bare, strict=True)]
+            out[kind][what] = {"bare_jobs_per_s": bare, "engine_jobs_per_s": eng,
+                               "ratios": ratios, "ratio": statistics.median(ratios)}
+        m = out[kind]["many"]
+        m["bare_insert_jobs_per_s"] = [x["insert_jobs_per_s"] for x in e2]
+        m["bare_copy_jobs_per_s"] = [x["copy_jobs_per_s"] for x in e2]
+        m["ratios_vs_insert"] = [e / x["insert_jobs_per_s"] for e, x in zip(many, e2,
+                                                                           strict=True)]
+        m["ratio_vs_insert"] = statistics.median(m["ratios_vs_insert"])
+    return out
+
+
+def _enqueue_table(t: Table, result: dict[str, Any]) -> None:
+    e = result.get("enqueue_vs_bare")
+    if not e:
+        return
+
+    def figures(values: list[float]) -> str:
+        return " · ".join(f"{v:,.0f}" for v in values) + " jobs/s"
+
+    for kind in _KINDS:
+        one, many = e[kind]["one_per_call"], e[kind]["many"]
+        what = "Upload, sealed env" if kind == "build" else "JobArgs"
+        t.add_row("ceiling e1", f"bare INSERT+NOTIFY loop, 1 conn ({kind}; "
+                  f"{e['blocks_one_per_call']} blocks, turn about)",
+                  figures(one["bare_jobs_per_s"]), "")
+        t.add_row("enqueue", f"1 per call, {kind} ({what})",
+                  figures(one["engine_jobs_per_s"]),
+                  f"{one['ratio']:.2f}x e1 (" + " · ".join(f"{r:.2f}" for r in one["ratios"])
+                  + ")")
+        t.add_row("ceiling e2", f"bare {e['jobs_enqueue_many']:,} rows, 1 INSERT | COPY ({kind})",
+                  " · ".join(f"{i:,.0f} | {c:,.0f}" for i, c in zip(
+                      many["bare_insert_jobs_per_s"], many["bare_copy_jobs_per_s"],
+                      strict=True)) + " jobs/s", "")
+        t.add_row("enqueue_many", f"{e['jobs_enqueue_many']:,} {kind} jobs in 1 call",
+                  figures(many["engine_jobs_per_s"]),
+                  f"{many['ratio']:.2f}x e2 (" + " · ".join(
+                      f"{r:.2f}" for r in many["ratios"]) + f"); "
+                  f"{many['ratio_vs_insert']:.2f}x its INSERT")
 
 
 # -- rendering ----------------------------------------------------------------
@@ -202,6 +300,7 @@ def table(result: dict[str, Any]) -> Table:
               _r(e["ratios_single"]))
     t.add_row("enqueue", f"{e['jobs']} in 1 tx", f"{e['batch_jobs_per_s']:,.0f} jobs/s",
               _r(e["ratios_batch"]))
+    _enqueue_table(t, result)  # -- enqueue (issue #13)
     lat = result["latency"]
     for where in ("in_process", "other_process"):
         v = lat[where]

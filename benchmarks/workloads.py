@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import asyncpg
 import attrs
@@ -26,11 +26,15 @@ import trio
 
 from nasiko_queue import Executors, JobContext, Queue, QueueConfig, Upload, open_database
 from nasiko_queue._sql import Q
+from nasiko_queue.job_args import JobArgs  # -- enqueue (issue #13)
 from nasiko_queue.jobs import PgJobStore
 from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
+from nasiko_queue.secrets import SecretBox  # -- enqueue (issue #13)
 from nasiko_queue.status import explain_claim
 from nasiko_queue.testing import make_payload
 from nasiko_queue.worker import Worker
+
+from . import ceilings  # -- enqueue (issue #13)
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -396,6 +400,145 @@ def ceiling_prepare(dsn: str, n_jobs: int) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+# -- enqueue (issue #13) ----------------------------------------------------------------
+#
+# Enqueue against bare asyncpg (ceilings e1 and e2): one job per call, and
+# `enqueue_many`, for build jobs (an `Upload` with one sealed env value, each with
+# its own agent and owner, so every seal derives a key: the worst case for the key
+# cache) and plain jobs (a small `JobArgs` without secrets). Each measurement
+# starts from empty tables; the ceilings insert rows of the same shape and size,
+# encoded by the engine's codec before their clock starts.
+
+#: The bench's own master key (its rows are thrown away).
+BENCH_SECRETS = SecretBox(b"\x07" * 32)
+
+
+@attrs.frozen(kw_only=True)
+class BenchMail(JobArgs):
+    """The plain job of the enqueue workloads: three short strings."""
+
+    kind: ClassVar[str] = "bench_mail"
+    to: str
+    subject: str
+    body: str
+
+
+def reset_jobs(dsn: str) -> None:
+    """`reset`, and the plain jobs' table too."""
+    reset(dsn)
+    _sql(dsn, "TRUNCATE nasiko_queue_jobs", "VACUUM ANALYZE nasiko_queue_jobs")
+
+
+def enqueue_payloads(dsn: str, kind: str, n: int) -> list[Any]:
+    """Empty tables, then `n` payloads of `kind` ("build" or "plain"), targets created."""
+    reset_jobs(dsn)
+    if kind == "plain":
+        return [BenchMail(to=f"user{i}@example.org", subject=f"Your build {i} is ready",
+                          body="It went well. " * 4) for i in range(n)]
+    return [make_payload("Upload", target_id=a, build_id=b, owner_id=o, name=f"b{b.hex[:8]}",
+                         env={"API_TOKEN": f"tok-{b.hex}"})
+            for a, b, o in prepare_agents(dsn, n)]
+
+
+def _bench_queue(db: Any) -> Queue:
+    return Queue(db, config=_bench_config(), secrets=BENCH_SECRETS)
+
+
+def enqueue_rows(kind: str, payloads: list[Any]) -> list[tuple[Any, ...]]:
+    """The arguments the engine's single-row INSERT + NOTIFY gets for each payload."""
+    codec = PayloadCodec(secrets=BENCH_SECRETS)
+    channel = QueueConfig().notify_channel
+    if kind == "plain":
+        opts = BenchMail.options
+        return [(uuid.uuid4(), opts.queue, p.kind, codec.dumps(p), opts.priority,
+                  opts.max_attempts, None, 0.0, None, None, channel) for p in payloads]
+    return [(p.agent_id, None, p.owner_id, codec.dumps(p), channel) for p in payloads]
+
+
+def ceiling_e2(dsn: str, kind: str, payloads: list[Any]) -> dict[str, float]:
+    """Ceiling e2 for `kind`: the rows in one bare multi-row INSERT, and by COPY."""
+    rows = enqueue_rows(kind, payloads)
+    channel = rows[0][-1]
+    ids = [uuid.uuid4() for _ in rows]
+    if kind == "plain":
+        columns = (ids, *([r[i] for r in rows] for i in range(1, 8)), channel)
+        return ceilings.enqueue_bulk(
+            dsn, Q.plain_insert_many_notify, columns, "nasiko_queue_jobs",
+            ["id", "queue", "kind", "payload", "priority", "max_attempts"],
+            [(i, *r[1:6]) for i, r in zip(ids, rows, strict=True)])
+    columns = (ids, *([r[i] for r in rows] for i in range(4)), channel)
+    return ceilings.enqueue_bulk(
+        dsn, Q.jobs_insert_many_notify, columns, "build_jobs",
+        ["id", "agent_id", "owner_id", "payload"],
+        [(i, r[0], r[2], r[3]) for i, r in zip(ids, rows, strict=True)])
+
+
+def enqueue_one_per_call(dsn: str, kind: str, n: int, blocks: int) -> dict[str, float]:
+    """
+    `Queue.enqueue(payload)` for `n` payloads, each its own transaction, against
+    ceiling e1 (a bare loop of the engine's INSERT + NOTIFY on `n` rows of the
+    same shape), interleaved: `blocks` blocks of each in turn, so that both meet
+    the same noise of a shared machine. jobs/s of each over all its blocks, and
+    the median of the blocks' ratios.
+    """
+    payloads = enqueue_payloads(dsn, kind, 2 * n)
+    rows = enqueue_rows(kind, payloads[:n])
+    statement = Q.plain_insert_notify if kind == "plain" else Q.job_insert_notify
+    size = -(-n // blocks)
+
+    async def engine(block: list[Any]) -> float:
+        async with open_database(dsn) as db:
+            queue = _bench_queue(db)
+            # Connect before the clock starts, as the ceiling does.
+            await db.run_kept(lambda conn: conn.fetchval("SELECT 1"))
+            t0 = time.perf_counter()
+            for p in block:
+                await queue.enqueue(p)
+            return time.perf_counter() - t0
+
+    bare_s: list[float] = []
+    engine_s: list[float] = []
+    for start in range(0, n, size):
+        block = rows[start:start + size]
+        bare_s.append(len(block) / ceilings.enqueue_loop(dsn, statement, block))
+        engine_s.append(trio.run(engine, payloads[n + start:n + start + size]))
+    # A burst of noise hits one block of one side: the median of the pairs' ratios
+    # (each pair run back to back) is the figure it moves least.
+    return {"bare_jobs_per_s": n / sum(bare_s), "engine_jobs_per_s": n / sum(engine_s),
+            "ratio": statistics.median(b / e for b, e in zip(bare_s, engine_s, strict=True))}
+
+
+def enqueue_many_pair(dsn: str, kind: str, n: int, engine_first: bool) -> dict[str, Any]:
+    """
+    One `Queue.enqueue_many` of `n` payloads, and ceiling e2 on the same `n`
+    targets, one right after the other (`engine_first` says which goes first),
+    each into an empty job table.
+    """
+    payloads = enqueue_payloads(dsn, kind, n)
+    table = "nasiko_queue_jobs" if kind == "plain" else "build_jobs"
+
+    async def main() -> float:
+        async with open_database(dsn) as db:
+            queue = _bench_queue(db)
+            await db.run_kept(lambda conn: conn.fetchval("SELECT 1"))
+            await db.fetchval("SELECT 1")
+            t0 = time.perf_counter()
+            ids = await queue.enqueue_many(payloads)
+            elapsed = time.perf_counter() - t0
+            if len(ids) != n:
+                raise RuntimeError(f"enqueue_many returned {len(ids)} ids for {n} jobs")
+            return n / elapsed
+
+    out: dict[str, Any] = {}
+    for which in ("engine", "bare") if engine_first else ("bare", "engine"):
+        _sql(dsn, f"TRUNCATE {table}")
+        if which == "engine":
+            out["engine_jobs_per_s"] = trio.run(main)
+        else:
+            out["bare"] = ceiling_e2(dsn, kind, payloads)
+    return out
 
 
 __all__ = ["Q", "ceiling_prepare", "drain", "enqueue", "history", "latency", "replicas"]

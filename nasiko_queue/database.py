@@ -33,6 +33,7 @@ updates with backoff; a claim that fails waits for the next wake).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -68,6 +69,11 @@ Operation = Callable[[asyncpg.Connection], Awaitable[T]]
 #: connections keep them.
 ENGINE_SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
 
+#: Seconds one of the queue's own connections (`ConnectionSet`: the engine's, the
+#: enqueues') may sit idle and still be used (asyncpg's pool closes its idle
+#: connections after as long, by default).
+KEPT_IDLE_LIFETIME = 300.0
+
 #: Connections of the control pool (heartbeats), opened lazily: one per worker
 #: on the database object is plenty for a statement every few seconds.
 CONTROL_CONNECTIONS = 2
@@ -95,6 +101,15 @@ class DatabaseConfig:
     #: `ctx.db` keep PostgreSQL's usual planning. One per worker on the database
     #: object is enough; more workers share them.
     engine_connections: int = 2
+    # -- enqueue (issue #13) --
+    #: Connections kept open beside the pools for the queue's own one-statement
+    #: writes (`Queue.enqueue` and `enqueue_many` of up to 2,000 jobs, without
+    #: `tx`; a larger batch holds a pooled transaction). A statement on one
+    #: of them is one asyncio task; through the pool it is four more (acquire and
+    #: release run under timeouts and a shield of their own), which took about
+    #: half of an enqueue's time under trio-asyncio. More enqueues at once than
+    #: this take pooled connections; 0 sends every one through the pool.
+    enqueue_connections: int = 2
 
 
 class Transaction:
@@ -177,6 +192,10 @@ class Database:
         self._engine_pool = engine_pool
         self._control_pool = control_pool
         self.config = config
+        #: Connections kept for the queue's own writes (`run_kept`).
+        self._kept = ConnectionSet(config.dsn, config.enqueue_connections,
+                                   idle_lifetime=KEPT_IDLE_LIFETIME,
+                                   command_timeout=config.command_timeout)
 
     async def _cross(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run one asyncio coroutine on our loop; the single bridge crossing."""
@@ -212,19 +231,71 @@ class Database:
         return await self._cross(on_asyncio())
 
     async def _run_on(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
+        return await self._cross(self._pooled(pool, op))
+
+    async def _pooled(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
+        """`op(conn)` with a connection of `pool`, on the asyncio side."""
+        conn = await pool.acquire(timeout=self.config.connect_timeout)
+        try:
+            return await op(conn)
+        except _BROKEN_CONNECTION:
+            # The connection itself failed (dropped, or left in a state asyncpg
+            # cannot continue from): never hand it out again.
+            conn.terminate()
+            raise
+        finally:
+            await self._release_after_use(pool, conn)
+
+    # -- enqueue (issue #13) --------------------------------------------------------
+
+    async def run_kept(self, op: Operation[T]) -> T:
+        """
+        Run `op(conn)` in one crossing on a connection kept for the queue's own
+        writes (`DatabaseConfig.enqueue_connections`), or a pooled one when every
+        kept connection is busy.
+
+        For statements that leave nothing open behind them: autocommit
+        statements, or a transaction that `op` begins and ends itself (a kept
+        connection left in one is closed). As with a pooled connection, one that
+        failed as a connection is closed; and a statement cancelled (by the
+        caller's cancel scope, or `command_timeout`) is settled before the call
+        returns: asyncpg asks the server to cancel it, and the connection serves
+        again only once the server answered (bounded by `cleanup_timeout`, else
+        it is closed). So the caller's next step sees the cancelled statement
+        either done or undone, as the pool's release made it.
+        """
+
+        kept = self._kept
+
         async def on_asyncio() -> T:
-            conn = await pool.acquire(timeout=self.config.connect_timeout)
+            conn = await kept.try_acquire(self.config.connect_timeout)
+            if conn is None:
+                return await self._pooled(self._pool, op)
             try:
-                return await op(conn)
+                result = await op(conn)
             except _BROKEN_CONNECTION:
-                # The connection itself failed (dropped, or left in a state asyncpg
-                # cannot continue from): never hand it out again.
-                conn.terminate()
+                kept.release(conn, broken=True)
                 raise
-            finally:
-                await self._release_after_use(pool, conn)
+            except (asyncio.CancelledError, TimeoutError):
+                await self._settle_kept(conn)
+                raise
+            except BaseException:
+                kept.release(conn)
+                raise
+            kept.release(conn)
+            return result
 
         return await self._cross(on_asyncio())
+
+    async def _settle_kept(self, conn: asyncpg.Connection) -> None:
+        """Wait until the server answered a cancelled statement (asyncpg's next
+        statement waits for that first), then keep the connection; else close it."""
+        try:
+            await conn.fetchval("SELECT 1", timeout=self.config.cleanup_timeout)
+        except BaseException:
+            self._kept.release(conn, broken=True)
+            raise
+        self._kept.release(conn)
 
     async def run_bounded(self, op: Operation[T], *, bound: float,
                           generic: bool = False, control: bool = False) -> T:
@@ -480,7 +551,7 @@ class Database:
     async def aclose(self) -> None:
         """Close the pools; shielded and bounded, then forced."""
         with trio.CancelScope(shield=True):
-            for pool in (self._control_pool, self._engine_pool, self._pool):
+            for pool in (self._kept, self._control_pool, self._engine_pool, self._pool):
                 with trio.move_on_after(self.config.cleanup_timeout):
                     await self._cross(pool.close())
                     continue
@@ -605,6 +676,7 @@ async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
     pool = await create(config.max_connections)
     # No command_timeout: `run_bounded` bounds these statements itself (see there).
     engine_pool = ConnectionSet(config.dsn, config.engine_connections,
+                                idle_lifetime=KEPT_IDLE_LIFETIME,
                                 server_settings=ENGINE_SERVER_SETTINGS)
     control_pool = await create(CONTROL_CONNECTIONS)
     db = Database(loop, pool, engine_pool, control_pool, config)

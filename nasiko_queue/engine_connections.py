@@ -1,28 +1,33 @@
 """
-The queue's own connections: a small set for its hot statements, on the asyncio side.
+The queue's own connections: small sets for its hot statements, on the asyncio side.
 
-The worker's claims and finishes used to run on an `asyncpg.Pool` of their own.
+The worker's claims and finishes, and enqueues, used to run on asyncpg pools.
 Under trio-asyncio every asyncio callback costs a pass of trio's scheduler
-(trio-asyncio runs one handle per pass, each under a `move_on_after`), and the
+(trio-asyncio runs one handle per pass, each under a `move_on_after`), and a
 pool's acquire and release alone queue eight of them per statement: a
 `SELECT 1` took 13 handles and 300 µs of CPU through the pool, 5 handles and
 150 µs on a connection held directly (benchmarks/README.md, "Where the engine's
-time goes"). That was half the worker's CPU per statement.
+time goes"). That was half the worker's CPU per statement, and half an
+enqueue's time.
 
-`ConnectionSet` keeps what the engine needs of a pool and nothing that costs
+`ConnectionSet` keeps what the queue needs of a pool and nothing that costs
 callbacks: an idle connection is handed out and taken back without awaiting
 anything; only opening one, or waiting for one when all are busy, goes through
-the loop. What it gives up is what these statements never use: no transaction
-is left open by them (each is one autocommitted statement), no session state
-is set beyond the connect-time settings, so nothing needs resetting. A
-connection that failed in any way but a statement error is closed, never
-handed out again, and a new one is opened on demand, as asyncpg's pool does.
+the loop. What it gives up is what these statements never need: they leave no
+transaction open (each is one autocommitted statement, or a transaction the
+caller begins and ends in one go) and set no session state beyond the
+connect-time settings, so nothing needs resetting. A connection that failed
+in any way but a statement error, or was left in a transaction, is closed and
+never handed out again; one idle for longer than `idle_lifetime` (a firewall
+may have forgotten it) is closed instead of used; new ones are opened on
+demand, as asyncpg's pool does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 from typing import Any
 
 import asyncpg
@@ -32,37 +37,47 @@ class ConnectionSet:
     """
     Up to `size` connections opened lazily with `connect_kwargs`; asyncio side only.
 
-    `acquire` returns an idle connection at once when there is one; `release`
-    takes it back (or closes it, when `broken`). Waiters are served in order.
+    `acquire` returns an idle connection at once when there is one, and waits
+    (served in order) when all are busy; `try_acquire` returns None instead of
+    waiting. `release` takes a connection back, or closes it when `broken`.
     """
 
-    def __init__(self, dsn: str, size: int, **connect_kwargs: Any) -> None:
-        if size < 1:
-            raise ValueError(f"a connection set needs at least one connection, got {size}")
+    def __init__(self, dsn: str, size: int, *, idle_lifetime: float = math.inf,
+                 **connect_kwargs: Any) -> None:
+        if size < 0:
+            raise ValueError(f"a connection set cannot have {size} connections")
         self._dsn = dsn
         self._size = size
+        self._idle_lifetime = idle_lifetime
         self._connect_kwargs = connect_kwargs
-        self._idle: list[asyncpg.Connection] = []
+        #: Idle connections, with the loop time each was given back at.
+        self._idle: list[tuple[asyncpg.Connection, float]] = []
         #: Connections open or being opened (idle ones included).
         self._count = 0
         self._waiters: collections.deque[asyncio.Future[asyncpg.Connection]] = (
             collections.deque())
         self._closed = False
 
+    @property
+    def open(self) -> int:
+        """Connections open or being opened, idle or in use."""
+        return self._count
+
+    @property
+    def idle_connections(self) -> list[asyncpg.Connection]:
+        """The idle ones, the next to be handed out last."""
+        return [conn for conn, _since in self._idle]
+
     async def acquire(self, patience: float) -> asyncpg.Connection:
         """A connection of the set (opening one if there is room), within `patience` seconds."""
+        if self._size == 0:
+            raise ValueError("acquire on a connection set of size 0 would wait forever")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
         while True:
-            if self._closed:
-                raise asyncpg.InterfaceError("the connection set is closed")
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.is_closed():
-                    return conn
-                self._count -= 1  # the server dropped it while idle
-            if self._count < self._size:
-                return await self._open(max(0.0, deadline - loop.time()))
+            conn = await self.try_acquire(max(0.0, deadline - loop.time()))
+            if conn is not None:
+                return conn
             waiter: asyncio.Future[asyncpg.Connection] = loop.create_future()
             self._waiters.append(waiter)
             try:
@@ -76,11 +91,24 @@ class ConnectionSet:
                     self._waiters.remove(waiter)
                 raise
 
-    async def _open(self, patience: float) -> asyncpg.Connection:
+    async def try_acquire(self, patience: float) -> asyncpg.Connection | None:
+        """An idle connection, else a new one if there is room (opened within
+        `patience` seconds), else None at once."""
+        if self._closed:
+            raise asyncpg.InterfaceError("the connection set is closed")
+        now = asyncio.get_running_loop().time()
+        while self._idle:
+            conn, since = self._idle.pop()  # the most recent: the others may age out
+            if not conn.is_closed() and now - since < self._idle_lifetime:
+                return conn
+            # Closed by the server, or idle so long that a firewall may have
+            # forgotten it (asyncpg's pool closes its idle ones after 300 s too).
+            self._discard(conn, graceful=True)
+        if self._count >= self._size:
+            return None
         self._count += 1
         try:
-            conn: asyncpg.Connection = await asyncpg.connect(
-                self._dsn, timeout=patience, **self._connect_kwargs)
+            conn = await asyncpg.connect(self._dsn, timeout=patience, **self._connect_kwargs)
         except BaseException:
             self._count -= 1
             self._wake_one_for_room()
@@ -94,17 +122,25 @@ class ConnectionSet:
         closed, or was left inside a transaction) is terminated instead.
         """
         if broken or self._closed or conn.is_closed() or conn.is_in_transaction():
-            if not conn.is_closed():
-                conn.terminate()
-            self._count -= 1
-            self._wake_one_for_room()
+            self._discard(conn)
             return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(conn)
                 return
-        self._idle.append(conn)
+        self._idle.append((conn, asyncio.get_running_loop().time()))
+
+    def _discard(self, conn: asyncpg.Connection, *, graceful: bool = False) -> None:
+        """Close `conn` (with a goodbye to the server when `graceful`) and make room."""
+        self._count -= 1
+        if not conn.is_closed():
+            if graceful:
+                task = asyncio.get_running_loop().create_task(conn.close(timeout=5.0))
+                task.add_done_callback(_retrieve)
+            else:
+                conn.terminate()
+        self._wake_one_for_room()
 
     def _wake_one_for_room(self) -> None:
         """A connection closed: the oldest waiter may open one in its place."""
@@ -118,7 +154,7 @@ class ConnectionSet:
         """Close the idle connections; those in use are terminated when released."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _since in idle:
             self._count -= 1
             await conn.close()
         for waiter in self._waiters:
@@ -130,7 +166,7 @@ class ConnectionSet:
         """Close every idle connection at once, without a goodbye to the server."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _since in idle:
             self._count -= 1
             conn.terminate()
 
@@ -138,3 +174,8 @@ class ConnectionSet:
 class _Retry(Exception):
     """Internal: a waiter woken because a connection closed; `acquire` opens one."""
 
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A graceful close's outcome, retrieved so asyncio does not report it."""
+    if not task.cancelled():
+        task.exception()

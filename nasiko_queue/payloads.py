@@ -14,6 +14,7 @@ turns payloads into JSON-ready dicts and back, and that seals and opens secret f
 
 import abc
 import functools
+import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -590,6 +591,56 @@ def _sealed_fields(cls: type) -> tuple["attrs.Attribute[Any]", ...]:
 AnyPayload = Payload | JobArgs
 
 
+# -- enqueue (issue #13) --
+#: The compact JSON of `PayloadCodec.dumps`, built once (json.dumps with options
+#: builds an encoder on every call).
+_JSON: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+@functools.cache
+def _encode_plan(
+    cls: type[AnyPayload],
+) -> tuple[tuple[str, Callable[[Any], Any] | None, "attrs.Attribute[Any] | None"], ...]:
+    """
+    How `PayloadCodec.encode` writes each field of `cls`: its name, its cattrs
+    unstructure hook (the one `converter.unstructure(value, unstructure_as=type)`
+    dispatches to), and the field itself when it is sealed. Checked and looked up
+    once per class, not once per payload (they were half of an encode); so a hook
+    registered on `converter` after a class's first encode does not apply to it.
+    """
+    _check_type(cls)
+    plan = []
+    for f in _attrs_fields(cls):
+        if not f.init:
+            continue
+        hook = converter.get_unstructure_hook(f.type)
+        sealed = f if f.metadata.get(SEALED) else None
+        # None: the value is its own JSON (str, int, bool: cattrs' identity hook).
+        plan.append((f.name, None if hook is _IDENTITY and sealed is None else hook, sealed))
+    return tuple(plan)
+
+
+#: cattrs' unstructure hook of the types that are their own JSON.
+_IDENTITY: Final = converter.get_unstructure_hook(str)
+
+
+def _bad_field(data: dict[str, Any]) -> str | None:
+    """The first field of encoded `data` holding a NUL character or a non-finite float."""
+
+    def bad(value: object) -> bool:
+        if isinstance(value, str):
+            return "\x00" in value
+        if isinstance(value, float):
+            return value != value or value in (float("inf"), float("-inf"))
+        if isinstance(value, dict):
+            return any(bad(k) or bad(v) for k, v in value.items())
+        if isinstance(value, list | tuple):
+            return any(bad(v) for v in value)
+        return False
+
+    return next((name for name, value in data.items() if bad(value)), None)
+
+
 def _check_type(cls: type[AnyPayload]) -> None:
     """Refuse, when registering, a type that cannot be encoded."""
     if not (isinstance(cls, type) and issubclass(cls, Payload | JobArgs) and attrs.has(cls)):
@@ -663,20 +714,44 @@ class PayloadCodec:
         """Return the wire dict of any `Payload` or `JobArgs`, registered or not, sealing
         secret fields."""
         cls = type(payload)
-        _check_type(cls)
         out: dict[str, Any] = {"kind": cls.kind}
-        for field in _attrs_fields(cls):
-            if not field.init:
-                continue
-            value = getattr(payload, field.name)
-            if field.metadata.get(SEALED):
-                if field.metadata.get(PLAINTEXT_COMPAT) and not self._seal_compat:
-                    out[field.name] = _plain(payload, field.name, value)
-                else:
-                    out[field.name] = self._seal(payload, field, value)
+        for name, unstructure, sealed in _encode_plan(cls):
+            value = getattr(payload, name)
+            if unstructure is None:
+                out[name] = value
+            elif sealed is None:
+                out[name] = unstructure(value)
+            elif sealed.metadata.get(PLAINTEXT_COMPAT) and not self._seal_compat:
+                out[name] = _plain(payload, name, value)
             else:
-                out[field.name] = converter.unstructure(value, unstructure_as=field.type)
+                out[name] = self._seal(payload, sealed, value)
         return out
+
+    # -- enqueue (issue #13) --
+    def dumps(self, payload: AnyPayload) -> str:
+        """
+        The payload's JSON text as enqueue writes it: `encode`, compact.
+
+        One function for the queue and for anything that must write the very same
+        bytes (the benchmarks' bare-asyncpg ceilings insert it). Non-ASCII text is
+        written as UTF-8, as serde_json writes it (PostgreSQL stores the same jsonb
+        either way; the size check then counts the bytes the row holds).
+
+        Raises `InvalidPayload` for what jsonb would refuse, naming the field: a
+        NUL character (jsonb has no way to store one), a NaN or infinite float
+        (not JSON); so that `enqueue_many` can say which payload it was instead
+        of the server failing the whole statement.
+        """
+        data = self.encode(payload)
+        try:
+            text = _JSON.encode(data)
+        except ValueError:  # allow_nan=False: no NaN or Infinity tokens
+            raise InvalidPayload(f"{payload.kind} payload: field '{_bad_field(data)}': a "
+                                 "float that JSON cannot hold (NaN or infinite)") from None
+        if "\\u0000" in text and (field := _bad_field(data)) is not None:
+            raise InvalidPayload(f"{payload.kind} payload: field '{field}': a NUL character "
+                                 "(\\u0000), which PostgreSQL's jsonb cannot store")
+        return text
 
     def _seal(
         self, payload: AnyPayload, field: "attrs.Attribute[Any]", values: Mapping[str, Secret]

@@ -12,11 +12,14 @@ and enqueue never waits for a worker.
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
+
+import asyncpg
+import trio
 
 from ._sql import Q
 from .config import QueueConfig
@@ -25,6 +28,12 @@ from .errors import PayloadTooLarge
 from .job_args import JobArgs, JobOptions, Unique
 from .payloads import Payload, PayloadCodec
 from .secrets import SecretBox
+
+# -- enqueue (issue #13) --
+#: Rows of one statement of `enqueue_many`: a batch of more goes in several
+#: statements of one transaction, so that no call builds one giant statement
+#: (its arrays are held whole by the client and the server while it runs).
+ENQUEUE_MANY_CHUNK = 2_000
 
 #: Inserts a unique enqueue tries while the job holding its key keeps ending
 #: between the insert and the look-up of its id.
@@ -151,8 +160,9 @@ class Queue:
         return (opts.queue, args.kind, text, opts.priority, opts.max_attempts, run_at, seconds)
 
     def _encoded(self, payload: Payload | JobArgs) -> str:
-        text = json.dumps(self._codec.encode(payload), separators=(",", ":"))
-        size = len(text.encode("utf-8"))
+        text = self._codec.dumps(payload)
+        # ASCII text (the usual) is as many bytes as characters, known without a copy.
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
         if size > self.config.max_payload_bytes:
             raise PayloadTooLarge(
                 f"{payload.kind} payload is {size} bytes; the limit is "
@@ -183,15 +193,21 @@ class Queue:
         owner_id: UUID | None = None,
     ) -> list[UUID]:
         """
-        Add many jobs in one statement; return their ids, in the order given.
+        Add many jobs; return their ids, in the order given.
 
-        Every payload is encoded and checked before anything is sent, so a bad
-        one refuses the whole batch (its index is in the message) and inserts
-        nothing. The jobs are claimed in the order given (within a queue and a
-        priority, for plain jobs). One NOTIFY per transaction, as for `enqueue`;
-        with `tx`, they commit or vanish with it. Build payloads and plain jobs
-        may be mixed (one statement for each); plain jobs take their type's
-        `options`, and unique ones must be enqueued one by one.
+        A batch goes in statements of at most `ENQUEUE_MANY_CHUNK` (2,000) rows,
+        all in one transaction: the caller's `tx`, or one of its own when there is
+        more than one statement. A bad payload refuses the whole batch (its index
+        is in the message) and nothing is enqueued. With `tx`, or up to 2,000
+        payloads, every payload is encoded and checked before anything is sent;
+        a larger batch without `tx` is encoded a chunk ahead, in a worker thread,
+        while the server inserts the chunk before (the trio loop stays free), and
+        a bad payload rolls back the chunks already sent. The jobs are claimed in
+        the order given (within a queue and a priority, for plain jobs). One
+        NOTIFY per transaction, as for `enqueue`; with `tx`, they commit or
+        vanish with it. Build payloads and plain jobs may be mixed (statements
+        for each); plain jobs take their type's `options`, and unique ones must
+        be enqueued one by one.
 
         Args:
             payloads: build `Payload`s or plain `JobArgs`, of any mix of kinds.
@@ -201,45 +217,78 @@ class Queue:
         Raises:
             As `enqueue`, for the first payload that fails, with its index.
         """
-        rows: list[tuple[UUID | None, UUID | None, UUID, str]] = []
-        plain: list[tuple[object, ...]] = []
-        order: list[bool] = []
-        for index, payload in enumerate(payloads):
-            try:
-                if isinstance(payload, JobArgs):
-                    opts = type(payload).options
-                    if opts.unique is not None or payload.unique_key():
-                        raise ValueError(f"{payload.kind} jobs are unique: enqueue them one "
-                                         "by one (enqueue), so that each learns its job id")
-                    plain.append(self._plain_row(payload, opts, None, None))
-                else:
-                    rows.append(self._row(payload, owner_id))
-                order.append(isinstance(payload, JobArgs))
-            except Exception as exc:
-                exc.add_note(f"payload {index} of the {len(payloads)} given to enqueue_many; "
-                             "nothing was enqueued")
-                raise
-        build_ids = [uuid4() for _ in rows]
-        plain_ids = [uuid4() for _ in plain]
-        if tx is None and rows and plain:
-            # Both statements or neither.
-            async with self.db.transaction() as both:
-                await self._insert_many(rows, build_ids, plain, plain_ids, both)
+        batch = _Batch(self, payloads, owner_id)
+        if tx is not None or len(payloads) <= ENQUEUE_MANY_CHUNK:
+            await self._insert_statements(batch.all(), tx)
         else:
-            await self._insert_many(rows, build_ids, plain, plain_ids, tx)
-        build_iter, plain_iter = iter(build_ids), iter(plain_ids)
-        return [next(plain_iter) if is_plain else next(build_iter) for is_plain in order]
+            await self._insert_pipelined(batch)
+        return batch.ids
 
-    async def _insert_many(self, rows: list[tuple[UUID | None, UUID | None, UUID, str]],
-                           build_ids: list[UUID], plain: list[tuple[object, ...]],
-                           plain_ids: list[UUID], tx: Transaction | None) -> None:
-        if rows:
-            columns = (build_ids, *([r[i] for r in rows] for i in range(4)))
-            await self._insert(Q.jobs_insert_many, Q.jobs_insert_many_notify, columns, tx)
-        if plain:
-            plain_columns = (plain_ids, *([r[i] for r in plain] for i in range(7)))
-            await self._insert(Q.plain_insert_many, Q.plain_insert_many_notify,
-                               plain_columns, tx)
+    # -- enqueue (issue #13) --
+    async def _insert_statements(self, statements: list[_Statement],
+                                 tx: Transaction | None) -> None:
+        """
+        Encoded statements, in order. Without `tx`, all of them cross to asyncio
+        at once, on a kept connection: one statement commits by itself; several
+        run in one transaction of their own, begun and committed in that crossing.
+        """
+        if not statements:
+            return
+        if tx is not None:
+            # The first NOTIFYs (once per transaction) and wakes after commit, as
+            # one `enqueue` does; the others only insert.
+            first, *rest = statements
+            await self._insert(*first, tx)
+            for quiet, _notifying, columns in rest:
+                await tx.execute(quiet, *columns)
+            return
+        channel = self.config.notify_channel
+
+        async def insert(conn: asyncpg.Connection) -> None:
+            # The first statement NOTIFYs: once per transaction, sent at its commit.
+            for index, (quiet, notifying, columns) in enumerate(statements):
+                if index == 0 and channel is not None:
+                    await conn.execute(notifying, *columns, channel)
+                else:
+                    await conn.execute(quiet, *columns)
+
+        async def insert_all(conn: asyncpg.Connection) -> None:
+            if len(statements) == 1:
+                await insert(conn)
+            else:
+                async with conn.transaction():
+                    await insert(conn)
+
+        await self.db.run_kept(insert_all)
+        self.wake()
+
+    async def _insert_pipelined(self, batch: _Batch) -> None:
+        """
+        A large batch in a transaction of its own, each chunk encoded (in a worker
+        thread) while the server inserts the one before: the client's encoding
+        and the server's inserts overlap instead of taking turns.
+        """
+        statement = await trio.to_thread.run_sync(batch.next_statement)
+        async with self.db.transaction() as own:
+            first = True
+            while statement is not None:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._insert_one, statement, first, own)
+                        following = await trio.to_thread.run_sync(batch.next_statement)
+                except BaseExceptionGroup as group:
+                    leaves = _leaves(group)
+                    if len(leaves) == 1:
+                        raise leaves[0] from None
+                    raise
+                statement, first = following, False
+
+    async def _insert_one(self, statement: _Statement, first: bool, tx: Transaction) -> None:
+        quiet, notifying, columns = statement
+        if first:
+            await self._insert(quiet, notifying, columns, tx)
+        else:
+            await tx.execute(quiet, *columns)
 
     async def _insert(self, plain: str, notifying: str, args: Sequence[object],
                       tx: Transaction | None) -> Any:
@@ -251,11 +300,10 @@ class Queue:
         """
         channel = self.config.notify_channel
         if tx is None:
-            # The insert and its NOTIFY in one statement: one crossing, one commit.
-            if channel is None:
-                value = await self.db.fetchval(plain, *args)
-            else:
-                value = await self.db.fetchval(notifying, *args, channel)
+            # The insert and its NOTIFY in one statement: one crossing, one commit,
+            # on a kept connection (no pool round trip of tasks and timers).
+            query, params = (plain, args) if channel is None else (notifying, (*args, channel))
+            value = await self.db.run_kept(lambda conn: conn.fetchval(query, *params))
             self.wake()
             return value
         if channel is None or channel in tx._notified:
@@ -288,3 +336,100 @@ class Queue:
 
     def _remove_waker(self, wake: Callable[[], None]) -> None:
         self._wakers.discard(wake)
+
+
+# -- enqueue (issue #13) ----------------------------------------------------------------
+
+#: One statement of `enqueue_many`: the insert, its NOTIFYing twin, its arrays.
+_Statement = tuple[str, str, tuple[list[Any], ...]]
+
+
+class _Batch:
+    """
+    The payloads of one `enqueue_many`, encoded in the order given into statements
+    of at most `ENQUEUE_MANY_CHUNK` rows (build jobs and plain jobs apart), so that
+    the first payload that fails is the one reported, whichever statement it is in.
+    """
+
+    def __init__(self, queue: Queue, payloads: Sequence[Payload | JobArgs],
+                 owner_id: UUID | None) -> None:
+        self._queue = queue
+        self._payloads = payloads
+        self._owner_id = owner_id
+        self._next = 0
+        self._build: list[tuple[object, ...]] = []
+        self._build_ids: list[UUID] = []
+        self._plain: list[tuple[object, ...]] = []
+        self._plain_ids: list[UUID] = []
+        #: Every job's id, in the order given.
+        self.ids: list[UUID] = []
+        self._random = b""
+        self._random_at = 0
+
+    def all(self) -> list[_Statement]:
+        """Every statement of the batch (each payload checked before anything is sent)."""
+        statements = []
+        while (statement := self.next_statement()) is not None:
+            statements.append(statement)
+        return statements
+
+    def next_statement(self) -> _Statement | None:
+        """Encode payloads until a statement is full, or the last one; None at the end."""
+        payloads, queue = self._payloads, self._queue
+        while self._next < len(payloads):
+            index = self._next
+            payload = payloads[index]
+            try:
+                if isinstance(payload, JobArgs):
+                    opts = type(payload).options
+                    if opts.unique is not None or payload.unique_key():
+                        raise ValueError(f"{payload.kind} jobs are unique: enqueue them one "
+                                         "by one (enqueue), so that each learns its job id")
+                    self._plain.append(queue._plain_row(payload, opts, None, None))
+                    ids = self._plain_ids
+                else:
+                    self._build.append(queue._row(payload, self._owner_id))
+                    ids = self._build_ids
+            except Exception as exc:
+                exc.add_note(f"payload {index} of the {len(payloads)} given to enqueue_many; "
+                             "nothing was enqueued")
+                raise
+            job_id = self._new_id()
+            ids.append(job_id)
+            self.ids.append(job_id)
+            self._next += 1
+            if len(self._build) == ENQUEUE_MANY_CHUNK:
+                return self._take_build()
+            if len(self._plain) == ENQUEUE_MANY_CHUNK:
+                return self._take_plain()
+        if self._build:
+            return self._take_build()
+        if self._plain:
+            return self._take_plain()
+        return None
+
+    def _new_id(self) -> UUID:
+        """A random (version 4) job id; the random bytes drawn for a chunk at a time."""
+        at = self._random_at
+        if at == len(self._random):
+            self._random, at = os.urandom(16 * ENQUEUE_MANY_CHUNK), 0
+        self._random_at = at + 16
+        return UUID(bytes=self._random[at:at + 16], version=4)
+
+    def _take_build(self) -> _Statement:
+        rows, ids = self._build, self._build_ids
+        self._build, self._build_ids = [], []
+        return (Q.jobs_insert_many, Q.jobs_insert_many_notify,
+                (ids, *([r[i] for r in rows] for i in range(4))))
+
+    def _take_plain(self) -> _Statement:
+        rows, ids = self._plain, self._plain_ids
+        self._plain, self._plain_ids = [], []
+        return (Q.plain_insert_many, Q.plain_insert_many_notify,
+                (ids, *([r[i] for r in rows] for i in range(7))))
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]

@@ -48,6 +48,16 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
     assert [r["processes"] for r in data["replicas"]] == list(runner.TINY.replica_processes)
     assert all(r["jobs_per_s"] > 0 for r in data["replicas"])
 
+    # -- enqueue (issue #13) --
+    vs_bare = data["enqueue_vs_bare"]
+    for kind in ("build", "plain"):
+        for what in ("one_per_call", "many"):
+            pair = vs_bare[kind][what]
+            assert len(pair["ratios"]) == runner.TINY.enqueue_rounds
+            assert all(v > 0 for v in pair["bare_jobs_per_s"] + pair["engine_jobs_per_s"])
+            assert pair["ratio"] > 0
+        assert all(v > 0 for v in vs_bare[kind]["many"]["bare_copy_jobs_per_s"])
+
     table = runner.table(data)
     assert table.row_count > 10
     png = tmp_path / "bench.png"

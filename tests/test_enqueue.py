@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import pytest
 import trio
 
-from nasiko_queue import PayloadTooLarge, Queue, QueueConfig, StandaloneBuild, Worker
+from nasiko_queue import (
+    JobArgs,
+    PayloadTooLarge,
+    Queue,
+    QueueConfig,
+    StandaloneBuild,
+    Worker,
+)
 from nasiko_queue.errors import SecretsNotConfigured
 from nasiko_queue.testing import (
     enqueue_with_target,
@@ -19,6 +27,7 @@ from nasiko_queue.testing import (
     make_payload,
 )
 
+from .conftest import FAST, MASTER_KEY
 from .helpers import executors_for_all, job_row, running, succeed
 
 
@@ -244,3 +253,206 @@ async def test_a_bad_payload_refuses_the_whole_batch_and_says_which(db: object) 
         caught.value.__notes__)
     assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
     assert await queue.enqueue_many([]) == []
+
+
+# -- enqueue (issue #13): batches in chunks, and the kept connections --------------------
+
+
+@attrs.frozen(kw_only=True)
+class Note(JobArgs):
+    kind: ClassVar[str] = "note"
+    n: int
+    text: str = ""
+
+
+async def test_enqueue_many_of_50_000_plain_jobs_goes_in_chunks_in_order(queue: Queue) -> None:
+    """More rows than one statement takes: several statements of one transaction,
+    still the order given (run_at distinct and ascending), ids in that order, one
+    NOTIFY."""
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK
+
+    n = 50_000
+    assert n > 5 * ENQUEUE_MANY_CHUNK
+    channel = queue.config.notify_channel
+    assert channel is not None
+    heard: list[str] = []
+    marker = trio.Event()
+
+    def on_notify(payload: str) -> None:
+        heard.append(payload)
+        if payload == "marker":
+            marker.set()
+
+    async with queue.db.listen(channel, on_notify):
+        ids = await queue.enqueue_many([Note(n=i) for i in range(n)])
+        await queue.db.execute("SELECT pg_notify($1, 'marker')", channel)
+        with trio.fail_after(10):
+            await marker.wait()
+    assert heard == ["", "marker"]
+    assert len(ids) == n == len(set(ids))
+    rows = await queue.db.fetch(
+        "SELECT id, (payload ->> 'n')::int AS n, xmin::text AS tx FROM nasiko_queue_jobs "
+        "ORDER BY run_at, id")
+    assert [r["id"] for r in rows] == ids
+    assert [r["n"] for r in rows] == list(range(n))
+    assert len({r["tx"] for r in rows}) == 1  # one transaction
+    assert await queue.db.fetchval(
+        "SELECT count(DISTINCT run_at) FROM nasiko_queue_jobs") == n
+
+
+async def test_a_bad_payload_in_a_later_chunk_refuses_the_batch(queue: Queue) -> None:
+    """Checked before anything is sent: a payload jsonb would refuse (a NUL), far into
+    the batch, names its index, and not one row of the earlier chunks is written."""
+    from nasiko_queue.errors import InvalidPayload
+
+    batch = [Note(n=i) for i in range(12_000)]
+    batch[11_007] = Note(n=11_007, text="nul \x00 here")
+    with pytest.raises(InvalidPayload, match="field 'text': a NUL character") as caught:
+        await queue.enqueue_many(batch)
+    assert "payload 11007 of the 12000 given to enqueue_many; nothing was enqueued" in (
+        caught.value.__notes__)
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+
+
+async def test_a_statement_the_server_refuses_mid_batch_rolls_the_whole_batch_back(
+    queue: Queue,
+) -> None:
+    """The server refuses the second chunk (an agent that does not exist: the foreign
+    key): the first chunk's rows and the plain jobs go too, and the kept connection
+    serves the next enqueue."""
+    import asyncpg
+
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK
+
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    good = make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner)
+    orphan = make_payload("Upload", target_id=uuid.uuid4(), build_id=uuid.uuid4(),
+                          owner_id=owner)
+    batch: list[Any] = [good] * (ENQUEUE_MANY_CHUNK + 3) + [orphan] + [Note(n=1)]
+    with pytest.raises(asyncpg.ForeignKeyViolationError):
+        await queue.enqueue_many(batch)
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+    assert await queue.enqueue_many([good, Note(n=2)]) != []
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 1
+
+
+async def test_enqueue_many_in_chunks_joins_the_callers_transaction(queue: Queue) -> None:
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK
+
+    worker = Worker(queue, executors_for_all(succeed))
+    queue._add_waker(worker.wake)
+    batch = [Note(n=i) for i in range(2 * ENQUEUE_MANY_CHUNK + 1)]
+
+    async def handler_that_fails() -> None:
+        async with queue.db.transaction() as tx:
+            await queue.enqueue_many(batch, tx=tx)
+            raise RuntimeError("handler failed")
+
+    with pytest.raises(RuntimeError, match="handler failed"):
+        await handler_that_fails()
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+    assert _buffered(worker) == 0
+    async with queue.db.transaction() as tx:
+        await queue.enqueue_many(batch, tx=tx)
+        assert _buffered(worker) == 0  # not before commit
+    assert _buffered(worker) == 1
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == len(batch)
+
+
+async def test_an_enqueue_after_the_server_ended_the_kept_connection_opens_another(
+    queue: Queue,
+) -> None:
+    """Once the client has seen the end (a statement sent before that meets a dead
+    connection and fails, as on a pooled one)."""
+    first = await queue.enqueue(Note(n=1))  # opens the kept connection
+    [kept] = queue.db._kept.idle_connections
+    await queue.db.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    with trio.fail_after(10):
+        # The end comes from the server, as bytes on the socket: nothing to wait on.
+        while not kept.is_closed():  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    second = await queue.enqueue(Note(n=2))
+    assert queue.db._kept.idle_connections != [kept]
+    assert await queue.db.fetchval(
+        "SELECT array_agg(id ORDER BY run_at) FROM nasiko_queue_jobs") == [first, second]
+
+
+async def test_a_cancelled_enqueue_inserts_nothing_and_its_connection_serves_again(
+    queue: Queue,
+) -> None:
+    """Cancelled while the server waits on a lock (the agent row, held FOR UPDATE by
+    another transaction): the cancel reaches the server before the call returns, so
+    the job is not written even when the lock goes at once; the kept connection
+    then serves the next enqueue."""
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    payload = make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner)
+    await queue.enqueue(payload)
+    [kept] = queue.db._kept.idle_connections
+    async with queue.db.transaction() as blocker:
+        await blocker.execute("SELECT 1 FROM agents WHERE id = $1 FOR UPDATE", agent)
+        async with trio.open_nursery() as nursery:
+            cancel = trio.CancelScope()
+
+            async def enqueue() -> None:
+                with cancel:
+                    await queue.enqueue(payload)
+                    pytest.fail("the enqueue was not blocked")
+
+            nursery.start_soon(enqueue)
+            with trio.fail_after(10):
+                # Until the server says it waits for the lock (nothing else can tell).
+                while not await queue.db.fetchval(  # noqa: ASYNC110
+                        "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 "
+                        "AND wait_event_type = 'Lock'", kept.get_server_pid()):
+                    await trio.sleep(0.01)
+            cancel.cancel()
+        assert cancel.cancelled_caught
+    # The lock is gone now: had the statement not been cancelled, it would commit.
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 1
+    await queue.enqueue(payload)
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 2
+    assert queue.db._kept.idle_connections == [kept]
+
+
+async def test_without_kept_connections_enqueue_takes_a_pooled_one(dsn: str) -> None:
+    from nasiko_queue import DatabaseConfig, open_database
+
+    config = DatabaseConfig(dsn=dsn, max_connections=1, enqueue_connections=0)
+    async with open_database(config) as db:
+        queue = Queue(db, config=FAST, secrets=MASTER_KEY)
+        ids = [await queue.enqueue(Note(n=i)) for i in range(3)]
+        ids += await queue.enqueue_many([Note(n=3), Note(n=4)])
+        assert db._kept.open == 0
+        assert await db.fetchval(
+            "SELECT array_agg(id ORDER BY run_at) FROM nasiko_queue_jobs") == ids
+
+
+async def test_a_large_mixed_batch_keeps_each_kind_in_order_and_ids_in_the_order_given(
+    queue: Queue,
+) -> None:
+    """Build and plain jobs interleaved, more than a chunk of each (the pipelined
+    path): the ids come back in the order given, and each table has its jobs in
+    that order, all in one transaction with one NOTIFY for both."""
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK
+
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    build = make_payload("Upload", target_id=agent, build_id=uuid.uuid4(), owner_id=owner)
+    batch: list[Any] = [Note(n=i) if i % 3 else build for i in range(3 * ENQUEUE_MANY_CHUNK + 7)]
+    ids = await queue.enqueue_many(batch)
+    build_ids = [j for j, p in zip(ids, batch, strict=True) if p is build]
+    plain_ids = [j for j, p in zip(ids, batch, strict=True) if p is not build]
+    assert len(build_ids) > ENQUEUE_MANY_CHUNK
+    assert len(plain_ids) > ENQUEUE_MANY_CHUNK
+    assert await queue.db.fetchval(
+        "SELECT array_agg(id ORDER BY created_at) FROM build_jobs") == build_ids
+    assert await queue.db.fetchval(
+        "SELECT array_agg(id ORDER BY run_at) FROM nasiko_queue_jobs") == plain_ids
+    assert await queue.db.fetchval(
+        "SELECT count(DISTINCT xmin::text) FROM (SELECT xmin FROM build_jobs UNION ALL "
+        "SELECT xmin FROM nasiko_queue_jobs) AS rows") == 1

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nasiko_queue.errors import InvalidPayload
+from nasiko_queue.job_args import JobArgs
 from nasiko_queue.payloads import (
     BUILTIN_PAYLOAD_TYPES,
     Clone,
@@ -24,6 +25,7 @@ from nasiko_queue.payloads import (
     Update,
     Upload,
     ZipSource,
+    converter,
     raw_build_id,
 )
 from nasiko_queue.secrets import Secret, SecretBox, is_sealed_token
@@ -508,3 +510,81 @@ def test_a_kind_is_at_most_100_characters() -> None:
 
     with pytest.raises(TypeError, match="at most 100"):
         PayloadCodec(types=[Long])
+
+
+# -- enqueue (issue #13): the text enqueue writes --------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(VECTORS))
+def test_dumps_writes_the_serde_bytes(codec: PayloadCodec, kind: str) -> None:
+    """`PayloadCodec.dumps`, the text enqueue sends, is byte for byte the serde row."""
+    assert codec.dumps(codec.decode(json.loads(VECTORS[kind]))) == VECTORS[kind]
+
+
+def test_dumps_writes_non_ascii_raw_as_serde_does(codec: PayloadCodec) -> None:
+    text = VECTORS["Clone"].replace('"legacy"', '"météo ☂ 𝄞"')
+    assert codec.dumps(codec.decode(json.loads(text))) == text
+
+
+def _reference_encode(payload: Payload) -> dict[str, Any]:
+    """`encode` as written before its per-class plan: cattrs dispatch on each field."""
+    out: dict[str, Any] = {"kind": payload.kind}
+    for field in attrs.fields(type(payload)):
+        out[field.name] = converter.unstructure(getattr(payload, field.name),
+                                                unstructure_as=field.type)
+    return out
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in _strings(k) + _strings(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _strings(v)]
+    return []
+
+
+@given(payloads)
+def test_the_per_class_plan_writes_what_cattrs_dispatch_writes(payload: Payload) -> None:
+    codec = PayloadCodec(secrets=BOX)
+    encoded = codec.encode(payload)
+    reference = _reference_encode(attrs.evolve(payload, env={}) if hasattr(payload, "env")
+                                  else payload)
+    sealed = {f.name for f in attrs.fields(type(payload)) if f.metadata.get("sealed")}
+    assert list(encoded) == list(reference)
+    assert {k: v for k, v in encoded.items() if k not in sealed} == {
+        k: v for k, v in reference.items() if k not in sealed}
+    if any("\x00" in text for text in _strings(encoded)):  # jsonb cannot store U+0000
+        with pytest.raises(InvalidPayload, match="a NUL character"):
+            codec.dumps(payload)
+    else:
+        written = json.loads(codec.dumps(payload))
+        assert list(written) == list(encoded)
+        assert {k: v for k, v in written.items() if k not in sealed} == {
+            k: v for k, v in encoded.items() if k not in sealed}
+
+
+def test_a_nul_character_is_refused_naming_the_field(codec: PayloadCodec) -> None:
+    """jsonb cannot store U+0000: refused before anything is sent, by field, not value."""
+    payload = attrs.evolve(codec.decode(json.loads(VECTORS["Update"])), changelog="a\x00b")
+    with pytest.raises(InvalidPayload, match="field 'changelog': a NUL character") as caught:
+        codec.dumps(payload)
+    assert "a\x00b" not in str(caught.value)
+    # An escaped backslash before "u0000" is no NUL.
+    ok = attrs.evolve(payload, changelog="C:\\u0000")
+    assert json.loads(codec.dumps(ok))["changelog"] == "C:\\u0000"
+
+
+@attrs.frozen(kw_only=True)
+class _Measure(JobArgs):
+    kind: ClassVar[str] = "measure"
+    value: float
+
+
+def test_a_nan_is_refused_naming_the_field() -> None:
+    codec = PayloadCodec([_Measure])
+    assert codec.dumps(_Measure(value=1.5)) == '{"kind":"measure","value":1.5}'
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(InvalidPayload, match="field 'value': a float that JSON"):
+            codec.dumps(_Measure(value=bad))

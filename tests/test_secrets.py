@@ -631,3 +631,37 @@ async def test_agent_env_reaches_no_log_and_no_repr(
     assert secret not in caplog.text
     assert secret not in repr(job.payload)
     assert secret not in str(job.payload)
+
+
+# -- enqueue (issue #13) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("owner", [OWNER, OTHER, UUID(int=0), uuid.UUID(int=2**128 - 1)])
+def test_the_derived_key_is_rfc_5869_hkdf(owner: UUID) -> None:
+    """The box derives each owner's key with two HMACs (the extract step once per
+    box); the key must be HKDF-SHA256's, as `cryptography` computes it: a value it
+    seals opens with a cipher under that key, and the other way round."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    box = SecretBox(KEY)
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"nasiko-queue/secrets/v1",
+               info=owner.bytes).derive(KEY)
+    raw = base64.urlsafe_b64decode(box.seal(owner, "TOKEN", PLAINTEXT)[4:] + "==")
+    assert AESGCM(key).decrypt(raw[:12], raw[12:], b"TOKEN").decode() == PLAINTEXT
+    nonce = bytes(12)
+    theirs = "nq1:" + base64.urlsafe_b64encode(
+        nonce + AESGCM(key).encrypt(nonce, PLAINTEXT.encode(), b"TOKEN")).decode().rstrip("=")
+    assert box.open(owner, "TOKEN", theirs) == PLAINTEXT
+
+
+#: `SecretBox(KEY).seal(OWNER, "TOKEN", PLAINTEXT)` as sealed before issue #13, whose
+#: derivation called cryptography's HKDF class (commit 7092b3e).
+OLD_TOKEN = "nq1:M0FjEdJ3cf5t2_L4ss_jHZIaRQKgV1OxJaSG0hJHftg94RYsd50QJlkBlqkYNEVyCb0gw0wX"
+
+
+def test_a_value_sealed_before_the_faster_derivation_still_opens() -> None:
+    assert SecretBox(KEY).open(OWNER, "TOKEN", OLD_TOKEN) == PLAINTEXT
+    with pytest.raises(SecretDecryptError):
+        SecretBox(KEY).open(OTHER, "TOKEN", OLD_TOKEN)
