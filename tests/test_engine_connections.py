@@ -113,3 +113,34 @@ def test_a_connection_left_in_a_transaction_is_not_handed_out(dsn: str) -> None:
         await conns.close()
 
     _run(main)
+
+
+def test_try_acquire_returns_none_when_every_connection_is_out(dsn: str) -> None:
+    async def main() -> None:
+        conns = ConnectionSet(dsn, 1)
+        conn = await conns.try_acquire(5)
+        assert conn is not None
+        assert await conns.try_acquire(5) is None
+        conns.release(conn)
+        assert await conns.try_acquire(5) is conn
+        conns.release(conn)
+        none = ConnectionSet(dsn, 0)  # enqueue_connections=0: always the pool
+        assert await none.try_acquire(5) is None
+        await conns.close()
+
+    _run(main)
+
+
+def test_a_connection_idle_past_its_lifetime_is_closed_not_used(dsn: str) -> None:
+    async def main() -> None:
+        conns = ConnectionSet(dsn, 1, idle_lifetime=0.0)  # every idle one is too old
+        first = await conns.acquire(5)
+        conns.release(first)
+        second = await conns.acquire(5)
+        assert second is not first
+        assert conns.open == 1
+        conns.release(second)
+        await conns.close()
+        assert conns.open == 0
+
+    _run(main)
