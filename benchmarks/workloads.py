@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,13 +24,23 @@ import asyncpg
 import attrs
 import trio
 
-from nasiko_queue import Executors, JobContext, Queue, QueueConfig, Upload, open_database
+from nasiko_queue import (
+    Executors,
+    JobContext,
+    PlainJobContext,
+    Queue,
+    QueueConfig,
+    Upload,
+    open_database,
+)
 from nasiko_queue._sql import Q
 from nasiko_queue.jobs import PgJobStore
 from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
 from nasiko_queue.status import explain_claim
 from nasiko_queue.testing import make_payload
 from nasiko_queue.worker import Worker
+
+from .plain import BenchPing
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,6 +212,9 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
     Measures executor start - just before the enqueue call, for an enqueuer in
     the worker's process (same Queue: in-process wake) and, when the engine has
     LISTEN/NOTIFY, for an enqueuer in another process (`benchmarks.enqueuer`).
+    Each also has `after_commit`: start - the instant the enqueue call returned
+    (issue #13's figure); and `plain_other_process` is the cross-process run
+    for plain jobs.
     """
     reset(dsn)
     targets = prepare_agents(dsn, 2 * n_jobs)
@@ -218,7 +231,8 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
         async def record(ctx: JobContext[Upload]) -> None:
             started[ctx.job_id] = time.perf_counter()
 
-        async def collect(before: dict[uuid.UUID, float]) -> dict[str, Any]:
+        async def collect(before: dict[uuid.UUID, float],
+                          returned: dict[uuid.UUID, float] | None = None) -> dict[str, Any]:
             # Start times are taken in the executor, so looking every 10 ms
             # here does not change the figures.
             with trio.move_on_after(10):
@@ -227,6 +241,8 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
             samples = [started[j] - t for j, t in before.items() if j in started]
             out = _percentiles(samples)
             out["samples_ms"] = [round(x * 1e3, 3) for x in samples]
+            if returned is not None:
+                out["after_commit"] = _after_commit(started, returned)
             return out
 
         async with open_database(dsn) as db:
@@ -237,30 +253,80 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
                 await nursery.start(worker.run)
                 await trio.sleep(0.2)
                 before: dict[uuid.UUID, float] = {}
+                returned: dict[uuid.UUID, float] = {}
                 calls: list[float] = []
                 t_next = trio.current_time()
                 for p in local:
                     await trio.sleep_until(t_next)
                     t_next += 1 / rate
                     t = time.perf_counter()
-                    before[await queue.enqueue(p)] = t
-                    calls.append(time.perf_counter() - t)
-                result["in_process"] = await collect(before)
+                    job = await queue.enqueue(p)
+                    before[job], returned[job] = t, time.perf_counter()
+                    calls.append(returned[job] - t)
+                result["in_process"] = await collect(before, returned)
                 # How much of it is the enqueue call itself (its commit).
                 result["in_process"]["enqueue_call_p50_ms"] = statistics.median(calls) * 1e3
                 if listen:
                     proc = await trio.run_process(
                         [sys.executable, "-m", "benchmarks.enqueuer", dsn, str(rate)],
                         stdin=remote.encode(), capture_stdout=True, cwd=ROOT, env=_child_env())
-                    remote_before = {uuid.UUID(k): v
-                                     for k, v in json.loads(proc.stdout).items()}
-                    result["other_process"] = await collect(remote_before)
+                    result["other_process"] = await collect(*_enqueue_times(proc.stdout))
                 worker.stop()
+            if listen:
+                result["plain_other_process"] = await _plain_latency(
+                    dsn, n_jobs, rate, started, collect)
             if not listen:
                 result["other_process"] = "n/a: needs LISTEN/NOTIFY (QueueConfig has no 'listen')"
             return result
 
     return trio.run(main)
+
+
+# -- latency / claim flat / replicas (issue #13) --------------------------------
+
+
+def _after_commit(started: dict[uuid.UUID, float],
+                  returned: dict[uuid.UUID, float]) -> dict[str, float]:
+    """
+    Executor start minus the instant the enqueue call returned (its commit
+    done): the wake path alone, without the enqueue's own cost. May be negative
+    across processes: the listener can hear the NOTIFY before the enqueuing
+    process is scheduled again to see its commit's answer.
+    """
+    return _percentiles([started[j] - t for j, t in returned.items() if j in started])
+
+
+def _enqueue_times(stdout: bytes) -> tuple[dict[uuid.UUID, float], dict[uuid.UUID, float]]:
+    """`benchmarks.enqueuer`'s output: (before the call, after it returned) by job."""
+    times = {uuid.UUID(k): v for k, v in json.loads(stdout).items()}
+    return ({j: t[0] for j, t in times.items()}, {j: t[1] for j, t in times.items()})
+
+
+async def _plain_latency(dsn: str, n_jobs: int, rate: float, started: dict[uuid.UUID, float],
+                         collect: Callable[..., Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """
+    The cross-process run for plain jobs: an idle worker that runs only the
+    queue of `BenchPing` (one lane, concurrency 1, the 5 s poll), and the
+    enqueuer in another process enqueueing `n_jobs` of them at `rate`/s.
+    """
+    ex = Executors()
+
+    @ex.register(BenchPing)
+    async def record(ctx: PlainJobContext[BenchPing]) -> None:
+        started[ctx.job_id] = time.perf_counter()
+
+    async with open_database(dsn) as db:
+        worker = Worker(Queue(db, config=_bench_config()), ex)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await trio.sleep(0.2)
+            proc = await trio.run_process(
+                [sys.executable, "-m", "benchmarks.enqueuer", dsn, str(rate), "plain"],
+                stdin=json.dumps([[]] * n_jobs).encode(), capture_stdout=True, cwd=ROOT,
+                env=_child_env())
+            out = await collect(*_enqueue_times(proc.stdout))
+            worker.stop()
+    return out
 
 
 def _child_env() -> dict[str, str]:
