@@ -36,6 +36,12 @@ class Sizes:
     replica_processes: tuple[int, ...] = (1, 2, 4)
     replica_concurrency: int = 10
     ceiling_jobs: int = 3000
+    # -- claim flat (issue #13) --
+    #: Finished jobs beside the claimable ones, and jobs the claim must leave
+    #: alone (another kind's, another queue's, scheduled for later).
+    flat_history_rows: int = 100_000
+    flat_other_rows: int = 100_000
+    flat_claims: int = 300
 
 
 DEFAULT = Sizes()
@@ -44,11 +50,13 @@ FULL = Sizes(drain_jobs=10_000,
                              (1, 8), (1, 32), (1, 128), (10, 20), (10, 100), (50, 200)),
              enqueue_jobs=3000,
              latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
-             replica_jobs=10_000, ceiling_jobs=10_000)
+             replica_jobs=10_000, ceiling_jobs=10_000, flat_history_rows=1_000_000,
+             flat_claims=1000)
 TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_jobs=20,
              latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
-             replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30)
+             replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30,
+             flat_history_rows=1000, flat_other_rows=1000, flat_claims=10)
 
 
 def _drain_step(concurrency: int, prefetch: int) -> str:
@@ -95,6 +103,8 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
     for h in s.history_rows:
         steps.append((f"history {h:,}",
                       lambda h=h: workloads.history(dsn, h, s.history_claims)))
+    steps.append(("claim flat", lambda: workloads.claim_flat(  # -- claim flat (issue #13) --
+        dsn, s.flat_history_rows, s.flat_other_rows, s.flat_claims)))
     for p in s.replica_processes:
         steps.append((f"replicas {p}", lambda p=p: workloads.replicas(
             dsn, s.replica_jobs, p, s.replica_concurrency)))
@@ -167,6 +177,7 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "enqueue": enq,
         "latency": raw["latency"],
         "history": hist,
+        "claim_flat": raw.get("claim flat"),
         "replicas": reps,
     }
 
@@ -226,6 +237,14 @@ def table(result: dict[str, Any]) -> Table:
         t.add_row("history", f"{h['history_rows']:,} done/failed rows",
                   f"claim p50 {h['p50_ms']:.3f} · p99 {h['p99_ms']:.3f} ms",
                   f"{h['p50_vs_empty']:.2f}x empty; plan: {h['plan_node']}")
+    # -- claim flat (issue #13) --
+    for c in (result.get("claim_flat") or {}).get("cases", ()):
+        e, x = c["empty"], c["loaded"]
+        t.add_row("claim flat", f"{c['lane']}: {c['table']}",
+                  f"p50 {x['p50_ms']:.3f} · p99 {x['p99_ms']:.3f} ms "
+                  f"(empty {e['p50_ms']:.3f} · {e['p99_ms']:.3f})",
+                  f"{c['p50_vs_empty']:.2f}x / {c['p99_vs_empty']:.2f}x empty; "
+                  f"{x['buffers']} pages ({e['buffers']} empty); {x['plan_node']}")
     for r in result["replicas"]:
         t.add_row("replicas", f"{r['processes']} process(es) × c={r['concurrency']}",
                   f"{r['jobs_per_s']:,.0f} jobs/s", _r(r["ratios"]))

@@ -65,7 +65,12 @@ Operation = Callable[[asyncpg.Connection], Awaitable[T]]
 #: of planning. The claim statements are written so their generic plans are the
 #: custom ones (primary-key probes, the partial index), and the queue's
 #: connections keep them.
-ENGINE_SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
+#:
+#: And no JIT compilation: a generic plan's estimates follow the table (its
+#: guess of a tenth of the rows for `LIMIT $1`), so on a big enough backlog the
+#: claim's estimated cost passes `jit_above_cost` and the server compiles it,
+#: 20 ms per claim for statements that run in 0.1 ms (measured, issue #13).
+ENGINE_SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan", "jit": "off"}
 
 #: Connections of the control pool (heartbeats), opened lazily: one per worker
 #: on the database object is plenty for a statement every few seconds.
