@@ -245,9 +245,19 @@ def table(result: dict[str, Any]) -> Table:
                   f"(empty {e['p50_ms']:.3f} · {e['p99_ms']:.3f})",
                   f"{c['p50_vs_empty']:.2f}x / {c['p99_vs_empty']:.2f}x empty; "
                   f"{x['buffers']} pages ({e['buffers']} empty); {x['plan_node']}")
+    one = next((r for r in result["replicas"] if r["processes"] == 1), None)
     for r in result["replicas"]:
+        # -- replicas (issue #13): the ratio to one process, and where the CPU went --
+        vs_one = f" ({r['jobs_per_s'] / one['jobs_per_s']:.2f}x one)" if one else ""
+        cpu = ""
+        if "worker_us_per_job" in r:
+            cpu = (f"; CPU/job: workers {r['worker_us_per_job']:.0f} µs "
+                   f"({r['worker_cores']:.2f} cores)")
+            if "server_us_per_job" in r:
+                cpu += (f", server {r['server_us_per_job']:.0f} µs "
+                        f"({r['server_cores']:.2f} cores)")
         t.add_row("replicas", f"{r['processes']} process(es) × c={r['concurrency']}",
-                  f"{r['jobs_per_s']:,.0f} jobs/s", _r(r["ratios"]))
+                  f"{r['jobs_per_s']:,.0f} jobs/s{vs_one}", _r(r["ratios"]) + cpu)
     return t
 
 

@@ -603,6 +603,86 @@ def claim_flat(dsn: str, history_rows: int, other_rows: int, claims: int) -> dic
             "cases": cases}
 
 
+# -- replicas (issue #13) ---------------------------------------------------------
+
+
+async def _wait_drained(dsn: str, t0: float) -> None:
+    """
+    Until no job is pending or in progress, looking every 20 ms on one
+    connection: a new connection per look (a server process forked and
+    authenticated 50 times a second) took CPU from the very processes measured.
+    """
+    conn = await asyncpg.connect(dsn)
+    try:
+        while await conn.fetchval(
+                "SELECT count(*) FROM build_jobs WHERE status IN ('pending', 'in_progress')"):
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError("replicas: jobs not drained in 300 s")
+            await asyncio.sleep(0.02)  # the workers are other processes: poll, bounded
+    finally:
+        await conn.close()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pids: list[int] | None) -> float | None:
+    """User + system CPU seconds of `pids` so far (Linux /proc); None if unreadable."""
+    if pids is None:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a process that ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
+def _server_pids(dsn: str) -> list[int] | None:
+    """
+    The server's processes (the postmaster and its children: backends, WAL
+    writer, autovacuum), when it runs on this machine and we may read its data
+    directory's postmaster.pid (the embedded server of `nasiko-queue bench`);
+    else None.
+    """
+    try:
+        data = Path(_count_text(dsn, "SHOW data_directory"))
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(stat.parent.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        return pids
+    except Exception:
+        return None
+
+
+def _cpu_report(before: tuple[list[float | None], float | None],
+                after: tuple[list[float | None], float | None], server: list[int] | None,
+                n_jobs: int, elapsed: float) -> dict[str, Any]:
+    """
+    CPU of each worker process and of the server during the drain, as µs per
+    job and as cores: whether the processes or the server are the limit.
+    """
+    workers = [None if a is None or b is None else b - a
+               for a, b in zip(before[0], after[0], strict=True)]
+    out: dict[str, Any] = {"worker_cpu_s": workers}
+    if all(w is not None for w in workers):
+        total = sum(w for w in workers if w is not None)
+        out["worker_us_per_job"] = total / n_jobs * 1e6
+        out["worker_cores"] = total / elapsed
+    if server is not None and before[1] is not None and after[1] is not None:
+        out["server_cpu_s"] = after[1] - before[1]
+        out["server_us_per_job"] = out["server_cpu_s"] / n_jobs * 1e6
+        out["server_cores"] = out["server_cpu_s"] / elapsed
+    return out
+
+
 def _child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -705,14 +785,13 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
             finally:
                 await conn.close()
 
+        server = _server_pids(dsn)
+        cpu_before = [_cpu_seconds([p.pid]) for p in procs], _cpu_seconds(server)
         plain_asyncio(insert())
         t0 = time.perf_counter()
-        left = ("SELECT count(*) FROM build_jobs WHERE status IN ('pending', 'in_progress')")
-        while _count(dsn, left) > 0:
-            if time.perf_counter() - t0 > 300:
-                raise RuntimeError("replicas: jobs not drained in 300 s")
-            time.sleep(0.02)  # the workers are other processes: poll, bounded
+        plain_asyncio(_wait_drained(dsn, t0))
         elapsed = time.perf_counter() - t0
+        cpu_after = [_cpu_seconds([p.pid]) for p in procs], _cpu_seconds(server)
         done = _count(dsn, "SELECT count(*) FROM build_jobs WHERE status = 'done'")
     finally:
         for p in procs:
@@ -726,7 +805,8 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
     if done != n_jobs:
         raise RuntimeError(f"replicas: {done} of {n_jobs} jobs done")
     return {"processes": processes, "concurrency": concurrency, "jobs": n_jobs,
-            "jobs_per_s": n_jobs / elapsed}
+            "jobs_per_s": n_jobs / elapsed,
+            **_cpu_report(cpu_before, cpu_after, server, n_jobs, elapsed)}
 
 
 def ceiling_prepare(dsn: str, n_jobs: int) -> None:

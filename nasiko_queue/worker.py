@@ -294,7 +294,8 @@ class Worker:
 
     async def drain_once(self) -> None:
         """
-        Wake the worker and wait until a drain that began after this call is over.
+        Wake the worker and wait until a drain that began after this call (or
+        that this call's wake re-armed in every lane) is over.
 
         "Over" means a claim came back short (nothing more runnable), no job
         is running or waiting in the buffer, and every outcome is recorded.

@@ -14,13 +14,17 @@ import json
 from typing import Any, ClassVar
 
 import attrs
+import pytest
 
 from nasiko_queue import JobArgs, JobOptions, Queue
 from nasiko_queue._sql import Q
 from nasiko_queue.database import Database
+from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
 from nasiko_queue.plain_jobs import PlainJobStore
 
 from .conftest import FAST
+
+KINDS = [t.kind for t in BUILTIN_PAYLOAD_TYPES]
 
 
 @attrs.frozen(kw_only=True)
@@ -105,3 +109,60 @@ async def test_the_queue_statements_run_without_jit(db: Database) -> None:
     """A generic plan's cost estimate grows with the backlog; past `jit_above_cost`
     the server would compile the claim, milliseconds for a 0.1 ms statement."""
     assert [r[0] for r in await db.fetch_generic("SHOW jit")] == ["off"]
+
+
+@pytest.mark.parametrize("lane", ["all kinds", "some kinds", "plain"])
+async def test_a_plan_made_while_the_queue_was_empty_still_reads_the_indexes(
+    db: Database, lane: str
+) -> None:
+    """
+    The engine's connections keep the generic plan of a statement's first run.
+    Made on an empty table, it used to be sequential scans and sorts, kept until
+    an ANALYZE: every claim then read the whole backlog that arrived. With the
+    engine's session settings it reads the indexes from the start.
+    """
+    kinds = "{" + ",".join(sorted(KINDS)) + "}"
+    if lane == "plain":
+        sql, types = Q.plain_claim, "text, int, uuid, uuid, int"
+        call = "EXECUTE nq_empty('ticks', 5, gen_random_uuid(), NULL, 1000000)"
+        fill = ("INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, max_attempts) "
+                "SELECT gen_random_uuid(), 'ticks', 'tick', '{}', 5 "
+                "FROM generate_series(1, 3000)")
+        table, index = "nasiko_queue_jobs", "nasiko_queue_jobs_claim"
+    else:
+        runs = "{Upload}" if lane == "some kinds" else kinds
+        sql = Q.job_claim_kinds if lane == "some kinds" else Q.job_claim
+        types = "int, text[], text[], int, uuid, uuid"
+        call = f"EXECUTE nq_empty(5, '{runs}', '{kinds}', 1000000, gen_random_uuid(), NULL)"
+        fill = ("WITH a AS (INSERT INTO agents (owner_id, name) "
+                "VALUES (gen_random_uuid(), 'backlog') RETURNING id) "
+                "INSERT INTO build_jobs (agent_id, owner_id, payload) "
+                "SELECT a.id, gen_random_uuid(), jsonb_build_object('kind', "
+                "CASE WHEN g % 2 = 0 THEN 'Upload' ELSE 'Update' END) "
+                "FROM a, generate_series(1, 3000) AS g")
+        table = "build_jobs"
+        index = "build_jobs_pending_kind" if lane == "some kinds" else "build_jobs_work_queue"
+
+    async def plan_then_fill(conn: Any) -> str:
+        await conn.execute(f"PREPARE nq_empty({types}) AS\n{sql}")
+        try:
+            await conn.fetch(call)  # the first run, on the empty table: the plan is made
+            await conn.execute(fill)
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                rows = await conn.fetch("EXPLAIN (ANALYZE) " + call)
+            finally:
+                await tx.rollback()
+        finally:
+            await conn.execute("DEALLOCATE nq_empty")
+        return "\n".join(r[0] for r in rows)
+
+    # Known to be empty, as autovacuum finds a drained queue in a new table.
+    await db.execute(f"VACUUM ANALYZE {table}")
+    plan = await db.run_bounded(plan_then_fill, bound=30, generic=True)
+    assert f"Seq Scan on {table}" not in plan, plan
+    assert index in plan, plan
+    # The few rows it gathered may sort; never the backlog.
+    assert "rows=3000 " not in plan, plan
+    assert "rows=1500 " not in plan, plan
