@@ -42,6 +42,10 @@ class Sizes:
     flat_history_rows: int = 100_000
     flat_other_rows: int = 100_000
     flat_claims: int = 300
+    # -- replicas (issue #13) --
+    #: Rounds of the 1- and 2-process replicas runs, interleaved (1, 2, 4, then
+    #: 1, 2 again): the 2-vs-1 ratio is reported per round.
+    replica_rounds: int = 2
 
 
 DEFAULT = Sizes()
@@ -56,7 +60,7 @@ TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_job
              latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
              replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30,
-             flat_history_rows=1000, flat_other_rows=1000, flat_claims=10)
+             flat_history_rows=1000, flat_other_rows=1000, flat_claims=10, replica_rounds=1)
 
 
 def _drain_step(concurrency: int, prefetch: int) -> str:
@@ -108,6 +112,10 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
     for p in s.replica_processes:
         steps.append((f"replicas {p}", lambda p=p: workloads.replicas(
             dsn, s.replica_jobs, p, s.replica_concurrency)))
+    for r in range(2, s.replica_rounds + 1):  # -- replicas (issue #13) --
+        for p in (1, 2):
+            steps.append((f"replicas {p} #{r}", lambda p=p: workloads.replicas(
+                dsn, s.replica_jobs, p, s.replica_concurrency)))
     return steps
 
 
@@ -179,7 +187,19 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "history": hist,
         "claim_flat": raw.get("claim flat"),
         "replicas": reps,
+        "replicas_2_vs_1": _two_vs_one(raw, s),
     }
+
+
+def _two_vs_one(raw: dict[str, Any], s: Sizes) -> list[float]:
+    """-- replicas (issue #13) -- 2 processes over 1, per round of the same run."""
+    out = []
+    for r in range(1, s.replica_rounds + 1):
+        tag = "" if r == 1 else f" #{r}"
+        one, two = raw.get(f"replicas 1{tag}"), raw.get(f"replicas 2{tag}")
+        if one and two:
+            out.append(two["jobs_per_s"] / one["jobs_per_s"])
+    return out
 
 
 # -- rendering ----------------------------------------------------------------
@@ -245,6 +265,10 @@ def table(result: dict[str, Any]) -> Table:
                   f"(empty {e['p50_ms']:.3f} · {e['p99_ms']:.3f})",
                   f"{c['p50_vs_empty']:.2f}x / {c['p99_vs_empty']:.2f}x empty; "
                   f"{x['buffers']} pages ({e['buffers']} empty); {x['plan_node']}")
+    rounds = result.get("replicas_2_vs_1") or []
+    if rounds:
+        t.add_row("replicas", "2 processes over 1, per round", " · ".join(
+            f"{x:.2f}x" for x in rounds), "target ≥ 1.3x")
     one = next((r for r in result["replicas"] if r["processes"] == 1), None)
     for r in result["replicas"]:
         # -- replicas (issue #13): the ratio to one process, and where the CPU went --
