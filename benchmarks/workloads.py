@@ -791,6 +791,10 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
         t0 = time.perf_counter()
         plain_asyncio(_wait_drained(dsn, t0))
         elapsed = time.perf_counter() - t0
+        # Server processes forked during the drain count too (their CPU is all its).
+        later = _server_pids(dsn)
+        if server is not None and later is not None:
+            server = sorted(set(server) | set(later))
         cpu_after = [_cpu_seconds([p.pid]) for p in procs], _cpu_seconds(server)
         done = _count(dsn, "SELECT count(*) FROM build_jobs WHERE status = 'done'")
     finally:
