@@ -46,6 +46,16 @@ class Sizes:
     enqueue_rounds: int = 3
     #: One per call: the engine and ceiling e1 take turns, this many blocks each.
     enqueue_blocks: int = 20
+    # -- claim flat (issue #13) --
+    #: Finished jobs beside the claimable ones, and jobs the claim must leave
+    #: alone (another kind's, another queue's, scheduled for later).
+    flat_history_rows: int = 100_000
+    flat_other_rows: int = 100_000
+    flat_claims: int = 300
+    # -- replicas (issue #13) --
+    #: Rounds of the 1- and 2-process replicas runs, interleaved (1, 2, 4, then
+    #: 1, 2 again): the 2-vs-1 ratio is reported per round.
+    replica_rounds: int = 2
 
 
 DEFAULT = Sizes()
@@ -55,12 +65,13 @@ FULL = Sizes(drain_jobs=10_000,
              enqueue_jobs=3000,
              latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
              replica_jobs=10_000, ceiling_jobs=10_000, enqueue_many_jobs=50_000,
-             enqueue_rounds=5)
+             enqueue_rounds=5, flat_history_rows=1_000_000, flat_claims=1000)
 TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_jobs=20,
              latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
              replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30,
-             enqueue_many_jobs=60, enqueue_rounds=1)
+             enqueue_many_jobs=60, enqueue_rounds=1,
+             flat_history_rows=1000, flat_other_rows=1000, flat_claims=10, replica_rounds=1)
 
 
 def _drain_step(concurrency: int, prefetch: int) -> str:
@@ -107,10 +118,16 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
     for h in s.history_rows:
         steps.append((f"history {h:,}",
                       lambda h=h: workloads.history(dsn, h, s.history_claims)))
+    steps.append(("claim flat", lambda: workloads.claim_flat(  # -- claim flat (issue #13) --
+        dsn, s.flat_history_rows, s.flat_other_rows, s.flat_claims)))
     for p in s.replica_processes:
         steps.append((f"replicas {p}", lambda p=p: workloads.replicas(
             dsn, s.replica_jobs, p, s.replica_concurrency)))
     steps += _enqueue_steps(s, dsn)  # -- enqueue (issue #13)
+    for r in range(2, s.replica_rounds + 1):  # -- replicas (issue #13) --
+        for p in (1, 2):
+            steps.append((f"replicas {p} #{r}", lambda p=p: workloads.replicas(
+                dsn, s.replica_jobs, p, s.replica_concurrency)))
     return steps
 
 
@@ -180,8 +197,10 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "enqueue": enq,
         "latency": raw["latency"],
         "history": hist,
+        "claim_flat": raw.get("claim flat"),
         "replicas": reps,
         "enqueue_vs_bare": _enqueue_assemble(raw, s),  # -- enqueue (issue #13)
+        "replicas_2_vs_1": _two_vs_one(raw, s),
     }
 
 
@@ -269,6 +288,17 @@ def _enqueue_table(t: Table, result: dict[str, Any]) -> None:
                   f"{many['ratio_vs_insert']:.2f}x its INSERT")
 
 
+def _two_vs_one(raw: dict[str, Any], s: Sizes) -> list[float]:
+    """-- replicas (issue #13) -- 2 processes over 1, per round of the same run."""
+    out = []
+    for r in range(1, s.replica_rounds + 1):
+        tag = "" if r == 1 else f" #{r}"
+        one, two = raw.get(f"replicas 1{tag}"), raw.get(f"replicas 2{tag}")
+        if one and two:
+            out.append(two["jobs_per_s"] / one["jobs_per_s"])
+    return out
+
+
 # -- rendering ----------------------------------------------------------------
 
 
@@ -302,23 +332,54 @@ def table(result: dict[str, Any]) -> Table:
               _r(e["ratios_batch"]))
     _enqueue_table(t, result)  # -- enqueue (issue #13)
     lat = result["latency"]
-    for where in ("in_process", "other_process"):
-        v = lat[where]
+    for where in ("in_process", "other_process", "plain_other_process"):
+        v = lat.get(where)
+        if v is None:
+            continue
         if isinstance(v, dict):
-            t.add_row("latency", where.replace("_", " "),
+            t.add_row("latency", where.replace("_", " ") + " (from before the call)",
                       f"p50 {v['p50_ms']:.2f} · p95 {v['p95_ms']:.2f} · p99 {v['p99_ms']:.2f} "
                       f"· max {v['max_ms']:.2f} ms",
                       f"enqueue call alone: p50 {v['enqueue_call_p50_ms']:.2f} ms"
                       if "enqueue_call_p50_ms" in v else "")
+            # -- latency (issue #13) --
+            if "after_commit" in v:
+                a = v["after_commit"]
+                t.add_row("latency", where.replace("_", " ") + " (after its commit)",
+                          f"p50 {a['p50_ms']:.2f} · p95 {a['p95_ms']:.2f} · "
+                          f"p99 {a['p99_ms']:.2f} · max {a['max_ms']:.2f} ms",
+                          "target: p50 ≤ 1 ms, p99 ≤ 3 ms")
         else:
             t.add_row("latency", where.replace("_", " "), str(v), "")
     for h in result["history"]:
         t.add_row("history", f"{h['history_rows']:,} done/failed rows",
                   f"claim p50 {h['p50_ms']:.3f} · p99 {h['p99_ms']:.3f} ms",
                   f"{h['p50_vs_empty']:.2f}x empty; plan: {h['plan_node']}")
+    # -- claim flat (issue #13) --
+    for c in (result.get("claim_flat") or {}).get("cases", ()):
+        e, x = c["empty"], c["loaded"]
+        t.add_row("claim flat", f"{c['lane']}: {c['table']}",
+                  f"p50 {x['p50_ms']:.3f} · p99 {x['p99_ms']:.3f} ms "
+                  f"(empty {e['p50_ms']:.3f} · {e['p99_ms']:.3f})",
+                  f"{c['p50_vs_empty']:.2f}x / {c['p99_vs_empty']:.2f}x empty; "
+                  f"{x['buffers']} pages ({e['buffers']} empty); {x['plan_node']}")
+    rounds = result.get("replicas_2_vs_1") or []
+    if rounds:
+        t.add_row("replicas", "2 processes over 1, per round", " · ".join(
+            f"{x:.2f}x" for x in rounds), "target ≥ 1.3x")
+    one = next((r for r in result["replicas"] if r["processes"] == 1), None)
     for r in result["replicas"]:
+        # -- replicas (issue #13): the ratio to one process, and where the CPU went --
+        vs_one = f" ({r['jobs_per_s'] / one['jobs_per_s']:.2f}x one)" if one else ""
+        cpu = ""
+        if "worker_us_per_job" in r:
+            cpu = (f"; CPU/job: workers {r['worker_us_per_job']:.0f} µs "
+                   f"({r['worker_cores']:.2f} cores)")
+            if "server_us_per_job" in r:
+                cpu += (f", server {r['server_us_per_job']:.0f} µs "
+                        f"({r['server_cores']:.2f} cores)")
         t.add_row("replicas", f"{r['processes']} process(es) × c={r['concurrency']}",
-                  f"{r['jobs_per_s']:,.0f} jobs/s", _r(r["ratios"]))
+                  f"{r['jobs_per_s']:,.0f} jobs/s{vs_one}", _r(r["ratios"]) + cpu)
     return t
 
 

@@ -16,25 +16,39 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
 
 import asyncpg
 import attrs
 import trio
 
-from nasiko_queue import Executors, JobContext, Queue, QueueConfig, Upload, open_database
+from nasiko_queue import (
+    Database,
+    Executors,
+    JobContext,
+    PlainJobContext,
+    Queue,
+    QueueConfig,
+    Upload,
+    open_database,
+)
 from nasiko_queue._sql import Q
+from nasiko_queue.embedded import with_database
 from nasiko_queue.job_args import JobArgs  # -- enqueue (issue #13)
 from nasiko_queue.jobs import PgJobStore
+from nasiko_queue.migrate import migrate
 from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
+from nasiko_queue.plain_jobs import PlainJobStore
 from nasiko_queue.secrets import SecretBox  # -- enqueue (issue #13)
 from nasiko_queue.status import explain_claim
 from nasiko_queue.testing import make_payload
 from nasiko_queue.worker import Worker
 
 from . import ceilings  # -- enqueue (issue #13)
+from .plain import BENCH_QUEUE, BenchPing
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,6 +220,9 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
     Measures executor start - just before the enqueue call, for an enqueuer in
     the worker's process (same Queue: in-process wake) and, when the engine has
     LISTEN/NOTIFY, for an enqueuer in another process (`benchmarks.enqueuer`).
+    Each also has `after_commit`: start - the instant the enqueue call returned
+    (issue #13's figure); and `plain_other_process` is the cross-process run
+    for plain jobs.
     """
     reset(dsn)
     targets = prepare_agents(dsn, 2 * n_jobs)
@@ -222,7 +239,8 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
         async def record(ctx: JobContext[Upload]) -> None:
             started[ctx.job_id] = time.perf_counter()
 
-        async def collect(before: dict[uuid.UUID, float]) -> dict[str, Any]:
+        async def collect(before: dict[uuid.UUID, float],
+                          returned: dict[uuid.UUID, float] | None = None) -> dict[str, Any]:
             # Start times are taken in the executor, so looking every 10 ms
             # here does not change the figures.
             with trio.move_on_after(10):
@@ -231,6 +249,8 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
             samples = [started[j] - t for j, t in before.items() if j in started]
             out = _percentiles(samples)
             out["samples_ms"] = [round(x * 1e3, 3) for x in samples]
+            if returned is not None:
+                out["after_commit"] = _after_commit(started, returned)
             return out
 
         async with open_database(dsn) as db:
@@ -241,30 +261,429 @@ def latency(dsn: str, n_jobs: int, rate: float) -> dict[str, Any]:
                 await nursery.start(worker.run)
                 await trio.sleep(0.2)
                 before: dict[uuid.UUID, float] = {}
+                returned: dict[uuid.UUID, float] = {}
                 calls: list[float] = []
                 t_next = trio.current_time()
                 for p in local:
                     await trio.sleep_until(t_next)
                     t_next += 1 / rate
                     t = time.perf_counter()
-                    before[await queue.enqueue(p)] = t
-                    calls.append(time.perf_counter() - t)
-                result["in_process"] = await collect(before)
+                    job = await queue.enqueue(p)
+                    before[job], returned[job] = t, time.perf_counter()
+                    calls.append(returned[job] - t)
+                result["in_process"] = await collect(before, returned)
                 # How much of it is the enqueue call itself (its commit).
                 result["in_process"]["enqueue_call_p50_ms"] = statistics.median(calls) * 1e3
                 if listen:
                     proc = await trio.run_process(
                         [sys.executable, "-m", "benchmarks.enqueuer", dsn, str(rate)],
                         stdin=remote.encode(), capture_stdout=True, cwd=ROOT, env=_child_env())
-                    remote_before = {uuid.UUID(k): v
-                                     for k, v in json.loads(proc.stdout).items()}
-                    result["other_process"] = await collect(remote_before)
+                    result["other_process"] = await collect(*_enqueue_times(proc.stdout))
                 worker.stop()
+            if listen:
+                result["plain_other_process"] = await _plain_latency(
+                    dsn, n_jobs, rate, started, collect)
             if not listen:
                 result["other_process"] = "n/a: needs LISTEN/NOTIFY (QueueConfig has no 'listen')"
             return result
 
     return trio.run(main)
+
+
+# -- latency / claim flat / replicas (issue #13) --------------------------------
+
+
+def _after_commit(started: dict[uuid.UUID, float],
+                  returned: dict[uuid.UUID, float]) -> dict[str, float]:
+    """
+    Executor start minus the instant the enqueue call returned (its commit
+    done): the wake path alone, without the enqueue's own cost. May be negative
+    across processes: the listener can hear the NOTIFY before the enqueuing
+    process is scheduled again to see its commit's answer.
+    """
+    return _percentiles([started[j] - t for j, t in returned.items() if j in started])
+
+
+def _enqueue_times(stdout: bytes) -> tuple[dict[uuid.UUID, float], dict[uuid.UUID, float]]:
+    """`benchmarks.enqueuer`'s output: (before the call, after it returned) by job."""
+    times = {uuid.UUID(k): v for k, v in json.loads(stdout).items()}
+    return ({j: t[0] for j, t in times.items()}, {j: t[1] for j, t in times.items()})
+
+
+async def _plain_latency(dsn: str, n_jobs: int, rate: float, started: dict[uuid.UUID, float],
+                         collect: Callable[..., Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """
+    The cross-process run for plain jobs: an idle worker that runs only the
+    queue of `BenchPing` (one lane, concurrency 1, the 5 s poll), and the
+    enqueuer in another process enqueueing `n_jobs` of them at `rate`/s.
+    """
+    ex = Executors()
+
+    @ex.register(BenchPing)
+    async def record(ctx: PlainJobContext[BenchPing]) -> None:
+        started[ctx.job_id] = time.perf_counter()
+
+    async with open_database(dsn) as db:
+        worker = Worker(Queue(db, config=_bench_config()), ex)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await trio.sleep(0.2)
+            proc = await trio.run_process(
+                [sys.executable, "-m", "benchmarks.enqueuer", dsn, str(rate), "plain"],
+                stdin=json.dumps([[]] * n_jobs).encode(), capture_stdout=True, cwd=ROOT,
+                env=_child_env())
+            out = await collect(*_enqueue_times(proc.stdout))
+            worker.stop()
+    return out
+
+
+# -- claim flat (issue #13) ------------------------------------------------------
+#
+# The claim's cost must not follow what the table holds besides the jobs it
+# takes: finished history, other kinds' or queues' backlogs, jobs scheduled for
+# later. Each case is measured on a table holding only the claimable jobs
+# ("empty"), then again once the rest is bulk-inserted, in the same run.
+
+#: Claimable jobs in every state of the claim-flat workload.
+FLAT_CLAIMABLE = 1000
+
+#: Pending build jobs of a kind the some-kinds replica does not run (Rollback),
+#: older than the claimable ones.
+OTHER_KIND_SQL = """
+INSERT INTO build_jobs (agent_id, owner_id, payload, created_at)
+SELECT (SELECT id FROM agents ORDER BY id LIMIT 1), gen_random_uuid(),
+       '{"kind":"Rollback"}'::jsonb, now() - interval '1 day' - make_interval(secs => g)
+FROM generate_series(1, {n}) AS g
+"""
+
+#: Claimable plain jobs in queue 'bench', due.
+PLAIN_CLAIMABLE_SQL = """
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, max_attempts, run_at)
+SELECT gen_random_uuid(), 'bench', 'bench_ping', '{"n":0}'::jsonb, 20,
+       now() - interval '1 minute' + make_interval(secs => g / 1000.0)
+FROM generate_series(1, {n}) AS g
+"""
+
+#: Finished plain jobs of queue 'bench' (one in ten discarded).
+PLAIN_HISTORY_SQL = """
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, attempt, max_attempts,
+                               run_at, created_at, attempted_at, finished_at, error_msg)
+SELECT gen_random_uuid(), 'bench', 'bench_ping', '{"n":0}'::jsonb,
+       CASE WHEN g % 10 = 0 THEN 'discarded' ELSE 'completed' END, 1, 20,
+       now() - make_interval(secs => g), now() - make_interval(secs => g),
+       now() - make_interval(secs => g), now() - make_interval(secs => g),
+       CASE WHEN g % 10 = 0 THEN 'max attempts exceeded' END
+FROM generate_series(1, {n}) AS g
+"""
+
+#: Available plain jobs of another queue, due (and older than the claimable ones).
+PLAIN_OTHER_QUEUE_SQL = """
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, max_attempts, run_at)
+SELECT gen_random_uuid(), 'other', 'bench_ping', '{"n":0}'::jsonb, 20,
+       now() - interval '1 day' - make_interval(secs => g)
+FROM generate_series(1, {n}) AS g
+"""
+
+#: Plain jobs of queue 'bench' scheduled for later, at priority {priority}.
+PLAIN_FUTURE_SQL = """
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at)
+SELECT gen_random_uuid(), 'bench', 'bench_ping', '{"n":0}'::jsonb, {priority}, 20,
+       now() + interval '1 day' + make_interval(secs => g)
+FROM generate_series(1, {n}) AS g
+"""
+
+
+def _sql_literal(value: object) -> str:
+    """A parameter as an SQL literal, for ``EXECUTE name(...)`` (arrays, uuids, ints, NULL)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, (list, tuple)):
+        inner = ",".join('"' + str(v).replace('"', '\\"') + '"' for v in value)
+        return "'{" + inner + "}'"
+    if isinstance(value, int):
+        return str(value)
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _plan_summary(plan: dict[str, Any], table: str) -> str:
+    """The scans of `table` in a JSON plan, in order, each once: how the claim finds rows."""
+    seen: list[str] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") == table:
+            using = f" using {node['Index Name']}" if node.get("Index Name") else ""
+            label = f"{node['Node Type']}{using}"
+            if label not in seen:
+                seen.append(label)
+        for child in node.get("Plans", ()):
+            walk(child)
+
+    walk(plan)
+    return "; ".join(seen) or f"no scan of {table}"
+
+
+async def _explain_generic(dsn: str, sql: str, args: tuple[object, ...],
+                           table: str) -> dict[str, Any]:
+    """
+    EXPLAIN (ANALYZE, BUFFERS) of the claim as the engine runs it: a prepared
+    statement on its generic plan (`ENGINE_SERVER_SETTINGS`), inside a
+    transaction that is rolled back. The buffers are the noise-free figure:
+    pages the claim touched, whatever the machine is doing.
+    """
+    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
+    plans: list[dict[str, Any]] = []
+    try:
+        await conn.execute("PREPARE flat_claim AS\n" + sql)
+        call = "EXECUTE flat_claim(" + ", ".join(_sql_literal(a) for a in args) + ")"
+        for _ in range(3):  # warm: the last of three
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                text = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + call)
+                plans.append(json.loads(text)[0])
+            finally:
+                await tx.rollback()
+    finally:
+        await conn.close()
+    last = plans[-1]
+    root = last["Plan"]
+    return {"plan_node": _plan_summary(root, table),
+            "buffers": root.get("Shared Hit Blocks", 0) + root.get("Shared Read Blocks", 0),
+            "server_ms": last.get("Execution Time", 0.0)}
+
+
+def _flat_claim(lane: str) -> tuple[str, tuple[object, ...], str, frozenset[str]]:
+    """The statement a lane claims with, its arguments, its table, the runnable kinds."""
+    kinds = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES)
+    bound = QueueConfig().max_payload_bytes
+    if lane == "plain":
+        return (Q.plain_claim, (BENCH_QUEUE, 1, uuid.uuid4(), None, bound),
+                "nasiko_queue_jobs", kinds)
+    runnable = kinds if lane == "all kinds" else frozenset({"Upload"})
+    sql = Q.job_claim if lane == "all kinds" else Q.job_claim_kinds
+    return (sql, (1, sorted(runnable), sorted(kinds), bound, uuid.uuid4(), None),
+            "build_jobs", runnable)
+
+
+def _flat_pair(empty_dsn: str, loaded_dsn: str, lane: str, claims: int) -> dict[str, Any]:
+    """
+    `claims` claims of one job on each of two databases, interleaved in rounds
+    of ten, through the engine's own store (each followed by a reset, not
+    timed): one whose tables hold only the claimable jobs, and one that holds
+    the rest too. Lanes: "all kinds" (`job_claim`), "some kinds"
+    (`job_claim_kinds`: a replica that runs Upload only) or "plain"
+    (`plain_claim` of queue 'bench'). p50/p99 of each, their ratio, and each
+    one's plan and buffers.
+    """
+    kinds = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES)
+    config = _bench_config()
+    sql, args, table, runnable = _flat_claim(lane)
+
+    def store_of(db: Database) -> PgJobStore | PlainJobStore:
+        if lane == "plain":
+            return PlainJobStore(db, config, BENCH_QUEUE, lambda: None)
+        return PgJobStore(db, config, runnable_kinds=runnable, known_kinds=kinds)
+
+    async def main() -> tuple[list[float], list[float]]:
+        async with open_database(empty_dsn) as empty_db, open_database(loaded_dsn) as loaded_db:
+            stores = (store_of(empty_db), store_of(loaded_db))
+            samples: tuple[list[float], list[float]] = ([], [])
+            for _ in range(-(-claims // 10)):
+                for store, into in zip(stores, samples, strict=True):
+                    for _ in range(10):
+                        t0 = time.perf_counter()
+                        jobs = await store.claim(1)
+                        into.append(time.perf_counter() - t0)
+                        if len(jobs) != 1:
+                            raise RuntimeError(f"claim flat ({lane}): the claim found no job")
+                        await store.reset(jobs[0])
+            return samples
+
+    empty, loaded = trio.run(main)
+    out: dict[str, Any] = {"lane": lane, "empty": _percentiles(empty),
+                           "loaded": _percentiles(loaded)}
+    for which, dsn in (("empty", empty_dsn), ("loaded", loaded_dsn)):
+        out[which].update(plain_asyncio(_explain_generic(dsn, sql, args, table)))
+    out["p50_vs_empty"] = out["loaded"]["p50_ms"] / out["empty"]["p50_ms"]
+    out["p99_vs_empty"] = out["loaded"]["p99_ms"] / out["empty"]["p99_ms"]
+    out["buffers_vs_empty"] = out["loaded"]["buffers"] / max(1, out["empty"]["buffers"])
+    return out
+
+
+def _fill_claimable(dsn: str) -> None:
+    reset(dsn)
+    prepare_jobs(dsn, FLAT_CLAIMABLE)
+    _sql(dsn, "TRUNCATE nasiko_queue_jobs", PLAIN_CLAIMABLE_SQL.replace("{n}", str(FLAT_CLAIMABLE)),
+         "VACUUM ANALYZE build_jobs", "VACUUM ANALYZE nasiko_queue_jobs")
+
+
+def _sibling_database(dsn: str, suffix: str) -> str:
+    """A migrated database beside `dsn`'s on the same server (needs CREATEDB, as the bench)."""
+    name = _count_text(dsn, "SELECT current_database()") + suffix
+
+    async def create() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    plain_asyncio(create())
+    sibling = with_database(dsn, name)
+
+    async def do_migrate() -> None:
+        async with open_database(sibling) as db:
+            await migrate(db)
+
+    trio.run(do_migrate)
+    return sibling
+
+
+def _drop_database(dsn: str, other: str) -> None:
+    name = urlsplit(other).path.lstrip("/")
+    _sql(dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _count_text(dsn: str, query: str) -> str:
+    async def main() -> str:
+        conn = await asyncpg.connect(dsn)
+        try:
+            value: str = await conn.fetchval(query)
+            return value
+        finally:
+            await conn.close()
+
+    return plain_asyncio(main())
+
+
+def claim_flat(dsn: str, history_rows: int, other_rows: int, claims: int) -> dict[str, Any]:
+    """
+    The claim on tables holding only claimable jobs (a sibling database, the
+    "empty" side) against tables that also hold `history_rows` finished jobs and
+    `other_rows` jobs the claim must leave alone (this database), interleaved,
+    for each lane of a worker:
+
+    * build jobs, a replica running every kind (`job_claim`): the history;
+    * build jobs, a replica running Upload only (`job_claim_kinds`): the
+      history and `other_rows` pending Rollback jobs, older than its own;
+    * plain jobs of queue 'bench' (`plain_claim`): the history, `other_rows`
+      available jobs of queue 'other' (older) and `other_rows` jobs of 'bench'
+      scheduled for tomorrow at the same priority; then as many again at a
+      more urgent priority.
+
+    Rows go in with ``INSERT … SELECT generate_series``, then VACUUM ANALYZE.
+    """
+    empty = _sibling_database(dsn, "_flat_empty")
+    try:
+        _fill_claimable(empty)
+        _fill_claimable(dsn)
+        n, other = str(int(history_rows)), str(int(other_rows))
+        _sql(dsn, HISTORY_SQL.replace("{n}", n), "VACUUM ANALYZE build_jobs")
+        cases = [dict(_flat_pair(empty, dsn, "all kinds", claims),
+                      table=f"{history_rows:,} history")]
+        _sql(dsn, OTHER_KIND_SQL.replace("{n}", other), "VACUUM ANALYZE build_jobs")
+        cases.append(dict(_flat_pair(empty, dsn, "some kinds", claims),
+                          table=f"{history_rows:,} history + {other_rows:,} pending of "
+                                "another kind"))
+        _sql(dsn, PLAIN_HISTORY_SQL.replace("{n}", n),
+             PLAIN_OTHER_QUEUE_SQL.replace("{n}", other),
+             PLAIN_FUTURE_SQL.replace("{n}", other).replace("{priority}", "0"),
+             "VACUUM ANALYZE nasiko_queue_jobs")
+        cases.append(dict(_flat_pair(empty, dsn, "plain", claims),
+                          table=f"{history_rows:,} history + {other_rows:,} in another queue "
+                                f"+ {other_rows:,} scheduled later"))
+        _sql(dsn, PLAIN_FUTURE_SQL.replace("{n}", other).replace("{priority}", "-1"),
+             "VACUUM ANALYZE nasiko_queue_jobs")
+        cases.append(dict(_flat_pair(empty, dsn, "plain", claims),
+                          table=f"… + {other_rows:,} more scheduled later, at a more urgent "
+                                "priority"))
+    finally:
+        _drop_database(dsn, empty)
+        reset(dsn)
+        _sql(dsn, "TRUNCATE nasiko_queue_jobs")
+    return {"history_rows": history_rows, "other_rows": other_rows, "claims": claims,
+            "cases": cases}
+
+
+# -- replicas (issue #13) ---------------------------------------------------------
+
+
+async def _wait_drained(dsn: str, t0: float) -> None:
+    """
+    Until no job is pending or in progress, looking every 20 ms on one
+    connection: a new connection per look (a server process forked and
+    authenticated 50 times a second) took CPU from the very processes measured.
+    """
+    conn = await asyncpg.connect(dsn)
+    try:
+        while await conn.fetchval(
+                "SELECT count(*) FROM build_jobs WHERE status IN ('pending', 'in_progress')"):
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError("replicas: jobs not drained in 300 s")
+            await asyncio.sleep(0.02)  # the workers are other processes: poll, bounded
+    finally:
+        await conn.close()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pids: list[int] | None) -> float | None:
+    """User + system CPU seconds of `pids` so far (Linux /proc); None if unreadable."""
+    if pids is None:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a process that ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
+def _server_pids(dsn: str) -> list[int] | None:
+    """
+    The server's processes (the postmaster and its children: backends, WAL
+    writer, autovacuum), when it runs on this machine and we may read its data
+    directory's postmaster.pid (the embedded server of `nasiko-queue bench`);
+    else None.
+    """
+    try:
+        data = Path(_count_text(dsn, "SHOW data_directory"))
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(stat.parent.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        return pids
+    except Exception:
+        return None
+
+
+def _cpu_report(before: tuple[list[float | None], float | None],
+                after: tuple[list[float | None], float | None], server: list[int] | None,
+                n_jobs: int, elapsed: float) -> dict[str, Any]:
+    """
+    CPU of each worker process and of the server during the drain, as µs per
+    job and as cores: whether the processes or the server are the limit.
+    """
+    workers = [None if a is None or b is None else b - a
+               for a, b in zip(before[0], after[0], strict=True)]
+    out: dict[str, Any] = {"worker_cpu_s": workers}
+    if all(w is not None for w in workers):
+        total = sum(w for w in workers if w is not None)
+        out["worker_us_per_job"] = total / n_jobs * 1e6
+        out["worker_cores"] = total / elapsed
+    if server is not None and before[1] is not None and after[1] is not None:
+        out["server_cpu_s"] = after[1] - before[1]
+        out["server_us_per_job"] = out["server_cpu_s"] / n_jobs * 1e6
+        out["server_cores"] = out["server_cpu_s"] / elapsed
+    return out
 
 
 def _child_env() -> dict[str, str]:
@@ -369,14 +788,17 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
             finally:
                 await conn.close()
 
+        server = _server_pids(dsn)
+        cpu_before = [_cpu_seconds([p.pid]) for p in procs], _cpu_seconds(server)
         plain_asyncio(insert())
         t0 = time.perf_counter()
-        left = ("SELECT count(*) FROM build_jobs WHERE status IN ('pending', 'in_progress')")
-        while _count(dsn, left) > 0:
-            if time.perf_counter() - t0 > 300:
-                raise RuntimeError("replicas: jobs not drained in 300 s")
-            time.sleep(0.02)  # the workers are other processes: poll, bounded
+        plain_asyncio(_wait_drained(dsn, t0))
         elapsed = time.perf_counter() - t0
+        # Server processes forked during the drain count too (their CPU is all its).
+        later = _server_pids(dsn)
+        if server is not None and later is not None:
+            server = sorted(set(server) | set(later))
+        cpu_after = [_cpu_seconds([p.pid]) for p in procs], _cpu_seconds(server)
         done = _count(dsn, "SELECT count(*) FROM build_jobs WHERE status = 'done'")
     finally:
         for p in procs:
@@ -390,7 +812,8 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
     if done != n_jobs:
         raise RuntimeError(f"replicas: {done} of {n_jobs} jobs done")
     return {"processes": processes, "concurrency": concurrency, "jobs": n_jobs,
-            "jobs_per_s": n_jobs / elapsed}
+            "jobs_per_s": n_jobs / elapsed,
+            **_cpu_report(cpu_before, cpu_after, server, n_jobs, elapsed)}
 
 
 def ceiling_prepare(dsn: str, n_jobs: int) -> None:
@@ -542,3 +965,5 @@ def enqueue_many_pair(dsn: str, kind: str, n: int, engine_first: bool) -> dict[s
 
 
 __all__ = ["Q", "ceiling_prepare", "drain", "enqueue", "history", "latency", "replicas"]
+__all__ = ["Q", "ceiling_prepare", "claim_flat", "drain", "enqueue", "history", "latency",
+           "replicas"]

@@ -485,6 +485,11 @@ def _parse_http(_ctx: click.Context, _param: click.Parameter,
               envvar="NASIKO_QUEUE_MAINTENANCE", show_envvar=True,
               help="Whether this worker stands for the maintenance leadership (rescue, "
                    "the stuck sweep, retention).")
+@click.option("--claim-synchronous-commit/--no-claim-synchronous-commit", default=True,
+              show_default=True,
+              help="Whether a claim sent on its own waits for its commit to reach the disk. "
+                   "Off: a little less from wake to start, but a server crash can forget "
+                   "the last moments' claims while their jobs run, and those run twice.")
 @click.option("--job-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Run-time limit of every job, in seconds; a run past it is cancelled "
                    "and counts as a crash. Default: none.")
@@ -513,6 +518,7 @@ def worker_command(
     schedules_spec: str | None,
     scheduler: bool,
     maintenance: bool,
+    claim_synchronous_commit: bool,
     job_timeout: float | None,
     http: tuple[str, int] | None,
     with_dashboard: bool,
@@ -558,7 +564,8 @@ def worker_command(
                              heartbeat_interval=heartbeat_interval, lease=lease,
                              rescue_interval=rescue_interval, maintenance=maintenance,
                              job_timeout=job_timeout, queues=queues, builds=builds,
-                             scheduler=scheduler)
+                             scheduler=scheduler,
+                             claim_synchronous_commit=claim_synchronous_commit)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     schedules = load_schedules(schedules_spec) if schedules_spec else ()

@@ -67,7 +67,22 @@ Operation = Callable[[asyncpg.Connection], Awaitable[T]]
 #: of planning. The claim statements are written so their generic plans are the
 #: custom ones (primary-key probes, the partial index), and the queue's
 #: connections keep them.
-ENGINE_SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan"}
+#:
+#: A generic plan is made at a statement's first run on a connection and kept,
+#: so one made while the queue was empty (a new table, a quiet night: the
+#: planner then believes the table holds no rows) would scan the whole backlog
+#: on every claim until an ANALYZE replaced it: 4 ms per claim with 3,000 jobs,
+#: growing with the backlog (issue #13). The statements run here are written
+#: for their indexes, so sequential scans and sorts are priced out: their
+#: plans read the indexes whatever the table held when they were made. (They
+#: are discouraged, not forbidden: the few rows a claim gathers still sort.)
+#:
+#: And no JIT compilation: a generic plan's estimates follow the table (its
+#: guess of a tenth of the rows for `LIMIT $1`), so on a big enough backlog the
+#: claim's estimated cost passes `jit_above_cost` and the server compiles it,
+#: 20 ms per claim for statements that run in 0.1 ms (measured, issue #13).
+ENGINE_SERVER_SETTINGS = {"plan_cache_mode": "force_generic_plan", "jit": "off",
+                          "enable_seqscan": "off", "enable_sort": "off"}
 
 #: Seconds one of the queue's own connections (`ConnectionSet`: the engine's, the
 #: enqueues') may sit idle and still be used (asyncpg's pool closes its idle

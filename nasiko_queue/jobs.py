@@ -195,6 +195,21 @@ async def fetch_claiming(db: Database, sql: str, args: tuple[object, ...], *,
     return rows
 
 
+def without_flush_wait(claim_sql: str) -> str:
+    """
+    A claim statement whose commit does not wait for the WAL flush
+    (`QueueConfig.claim_synchronous_commit` off): the same statement as a
+    data-modifying CTE, beside a `set_config` that turns `synchronous_commit`
+    off for this statement's own transaction only (the server applies the
+    setting at commit, which is why it works for a single statement). Built
+    from the statement rather than written out a second time, so the two
+    cannot drift apart; same arguments, same rows.
+    """
+    return ("WITH claimed AS (\n" + claim_sql + "\n)\n"
+            "SELECT claimed.* FROM claimed,\n"
+            "     (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait")
+
+
 async def end_claims_backend(conn: asyncpg.Connection, claim: LostClaim, bound: float) -> None:
     """
     End the server process that received a claim whose answer was lost, and
@@ -292,6 +307,8 @@ class PgJobStore:
         # backlog of the kinds it leaves to others costs it nothing.
         subset = not set(self._known) <= set(self._runnable)
         self._claim_sql = Q.job_claim_kinds if subset else Q.job_claim
+        if not config.claim_synchronous_commit:
+            self._claim_sql = without_flush_wait(self._claim_sql)
         self._finish_sql = (Q.jobs_finish_many_and_claim_kinds if subset
                             else Q.jobs_finish_many_and_claim)
         self._bound = config.cleanup_timeout

@@ -23,7 +23,14 @@ from ._sql import Q
 from .config import QueueConfig
 from .database import Database
 from .job_errors import JobError
-from .jobs import ClaimedJob, JobStatus, LostClaim, end_claims_backend, fetch_claiming
+from .jobs import (
+    ClaimedJob,
+    JobStatus,
+    LostClaim,
+    end_claims_backend,
+    fetch_claiming,
+    without_flush_wait,
+)
 
 log = logging.getLogger("nasiko_queue.jobs")
 
@@ -58,13 +65,15 @@ class PlainJobStore:
         self.queue = queue
         self._worker_id = worker_id
         self._bound = config.cleanup_timeout
+        self._claim_sql = (Q.plain_claim if config.claim_synchronous_commit
+                           else without_flush_wait(Q.plain_claim))
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         """Claim up to `limit` due jobs of the queue, by priority then due time."""
         token = uuid.uuid4()
         args = (self.queue, limit, token, self._worker_id(),
                 self._config.max_payload_bytes)
-        rows = await fetch_claiming(self._db, Q.plain_claim, args, token=token, claims=True,
+        rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
         jobs = [_claimed(row, self.queue) for row in rows]
         jobs.sort(key=lambda j: j.order)

@@ -217,7 +217,8 @@ class WorkerState:
     #: Jobs in this lane's slots now (`stats.running` counts every lane's).
     running: int = 0
     #: The drain under way (or last run) in this lane: a claim sent during an
-    #: earlier drain must not end the current one.
+    #: earlier drain, or before a wake that re-armed this one (`rearm`), must
+    #: not end the current one.
     drain_id: int = 0
     #: Trio time at which this lane's next scheduled job is due (plain lanes);
     #: the drain loop wakes then, not at its next poll.
@@ -269,6 +270,15 @@ class WorkerState:
 
     def end_drain(self) -> None:
         self.drain_ended.set()
+
+    def rearm(self) -> None:
+        """
+        A wake during this drain: what the drain's claims in flight return no
+        longer ends it (their `drain_id` is older), since they may have been
+        sent before the job that caused the wake was committed. The producer,
+        still draining, claims again as soon as a statement is free.
+        """
+        self.drain_id += 1
 
     def close(self) -> None:
         """Slots take nothing more; the producer gives the buffer back and winds down."""

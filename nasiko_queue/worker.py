@@ -174,6 +174,10 @@ class Worker:
         if schedules and self.config.scheduler:
             self.scheduler = Scheduler(queue, schedules, SchedulerConfig.of(self.config))
         self._started = False
+        #: The drain loop waits for a wake (or the poll): a wake begins the drain.
+        self._idle = False
+        #: A drain was begun (by a wake) that the drain loop has yet to wait for.
+        self._drain_begun = False
 
     def _worker_id(self) -> UUID | None:
         worker_id: UUID | None = getattr(self._store, "worker_id", None)
@@ -237,7 +241,40 @@ class Worker:
     # -- signals -----------------------------------------------------------
 
     def wake(self) -> None:
-        """Ask for a drain. Never blocks: a wake that does not fit is dropped."""
+        """
+        Ask for a drain. Never blocks: a wake that does not fit is dropped.
+
+        The wake is on the path from an enqueue (a NOTIFY on the listener, or an
+        in-process enqueue) to its job's start, so it acts at once rather than
+        through another task: while the drain loop waits, it begins the drain
+        here, and the producers claim on their next pass instead of after the
+        drain loop's; during a drain it re-arms every lane that is draining
+        (`WorkerState.rearm`), so that a claim already in flight, which may not
+        have seen the new job, does not end the drain when it comes back short:
+        the producer claims again straight away instead of after a round of the
+        drain loop (and, for plain queues, the look-up of the next due job).
+        """
+        self._wake()
+
+    def _wake(self) -> bool:
+        """`wake`; True when a drain under way answers it (begun or re-armed by it in
+        every lane), False when the drain loop's next drain will."""
+        state = self.state
+        if not state.stopping.is_set():
+            if self._idle:
+                self._begin_drain()
+                self._signal()  # the drain loop waits for the drain begun here
+                return True
+            draining = [lane.state for lane in self.lanes if lane.state.draining]
+            for lane_state in draining:
+                lane_state.rearm()
+            if len(draining) == len(self.lanes):
+                return True  # every lane claims again: no further drain is needed
+        self._signal()
+        return False
+
+    def _signal(self) -> None:
+        """Hand a wake to the drain loop through the channel (dropped when it is full)."""
         self.state.woken = True
         with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError,
                                  trio.BrokenResourceError):
@@ -258,7 +295,8 @@ class Worker:
 
     async def drain_once(self) -> None:
         """
-        Wake the worker and wait until a drain that began after this call is over.
+        Wake the worker and wait until a drain that began after this call (or
+        that this call's wake re-armed in every lane) is over.
 
         "Over" means a claim came back short (nothing more runnable), no job
         is running or waiting in the buffer, and every outcome is recorded.
@@ -267,7 +305,8 @@ class Worker:
         """
         state = self.state
         target = self.stats.drains_started + 1
-        self.wake()
+        if self._wake():  # the drain under way answers it (begun or re-armed by it)
+            target = self.stats.drains_started
         while not (self.stats.drains_completed >= target
                    and all(lane.state.idle() for lane in self.lanes) and state.idle()):
             if state.stopping.is_set():
@@ -347,35 +386,58 @@ class Worker:
 
     async def _drain_loop(self) -> None:
         stopping = self.state.stopping
-        while True:
-            await self._drain()
-            if stopping.is_set():
-                return
-            # The poll, or sooner when a lane's next scheduled job is due.
-            wake_at = min([trio.current_time() + self.config.poll_interval,
-                           *(lane.state.next_due for lane in self.lanes)])
-            with trio.move_on_at(wake_at):
-                try:
-                    await self._wake_recv.receive()
-                except trio.EndOfChannel:
-                    return
-            # Wakes that arrived during the drain are all answered by the next one.
+        try:
             while True:
-                try:
-                    self._wake_recv.receive_nowait()
-                except trio.WouldBlock:
-                    break
-                except trio.EndOfChannel:
+                await self._drain()
+                if stopping.is_set():
                     return
-            if stopping.is_set():
-                return
-            self.state.woken = False  # the drain below answers every wake so far
+                # The poll, or sooner when a lane's next scheduled job is due.
+                wake_at = min([trio.current_time() + self.config.poll_interval,
+                               *(lane.state.next_due for lane in self.lanes)])
+                self._idle = True  # a wake now begins the next drain itself
+                try:
+                    with trio.move_on_at(wake_at):
+                        try:
+                            await self._wake_recv.receive()
+                        except trio.EndOfChannel:
+                            return
+                finally:
+                    self._idle = False
+                # Wakes that arrived during the drain are all answered by the next one.
+                while True:
+                    try:
+                        self._wake_recv.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    except trio.EndOfChannel:
+                        return
+                if stopping.is_set():
+                    return
+                self.state.woken = False  # the drain below answers every wake so far
+        finally:
+            if self._drain_begun:  # begun by a wake just before the stop
+                self._drain_begun = False
+                self._end_drain()
 
-    async def _drain(self) -> None:
-        """Have every lane's producer claim until a claim comes back short (or fails)."""
+    def _begin_drain(self) -> None:
+        """Begin a drain in every lane (their producers claim on their next pass)."""
+        self._idle = False
+        self._drain_begun = True
         self.stats.drains_started += 1
         for lane in self.lanes:
             lane.state.begin_drain()
+
+    def _end_drain(self) -> None:
+        for lane in self.lanes:
+            lane.state.end_drain()
+        self.stats.drains_completed += 1
+        self.state.notify()
+
+    async def _drain(self) -> None:
+        """Have every lane's producer claim until a claim comes back short (or fails)."""
+        if not self._drain_begun:  # else a wake began it already (`wake`)
+            self._begin_drain()
+        self._drain_begun = False
         try:
             if not self.state.stopping.is_set():
                 for lane in self.lanes:
@@ -383,10 +445,7 @@ class Worker:
                 for lane in self.lanes:
                     await lane.refresh_due()
         finally:
-            for lane in self.lanes:
-                lane.state.end_drain()
-            self.stats.drains_completed += 1
-            self.state.notify()
+            self._end_drain()
 
     async def _startup_recovery(self) -> bool:
         """

@@ -47,6 +47,16 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
         assert h["plan_node"]
     assert [r["processes"] for r in data["replicas"]] == list(runner.TINY.replica_processes)
     assert all(r["jobs_per_s"] > 0 for r in data["replicas"])
+    # -- latency / claim flat / replicas (issue #13) --
+    for where in ("in_process", "other_process", "plain_other_process"):
+        assert data["latency"][where]["after_commit"]["n"] == runner.TINY.latency_jobs
+    assert [(c["lane"], c["loaded"]["p50_ms"] > 0, c["empty"]["buffers"] > 0)
+            for c in data["claim_flat"]["cases"]] == [
+        ("all kinds", True, True), ("some kinds", True, True), ("plain", True, True),
+        ("plain", True, True)]
+    assert all(c["loaded"]["plan_node"].count("Index") for c in data["claim_flat"]["cases"])
+    assert len(data["replicas_2_vs_1"]) == runner.TINY.replica_rounds
+    assert all(r["worker_us_per_job"] > 0 for r in data["replicas"])
 
     # -- enqueue (issue #13) --
     vs_bare = data["enqueue_vs_bare"]
