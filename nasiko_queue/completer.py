@@ -9,6 +9,12 @@ done or failed, and the room they free is claimed in the same round trip), so a
 worker spends one round trip per job at most, and fewer when jobs end close
 together. Nothing waits to fill a batch.
 
+Executors may report through their context instead of writing the build row
+themselves (issue #13): a finish then carries the reported status, which the same
+statement writes to the build row, and a start write (`JobContext.mark_building`)
+is queued here and rides on the next statement as well, whether or not a finish
+is waiting. So an executor's two build-row writes cost no round trip of their own.
+
 A batch that fails is sent again under the retry policy (`RetryPolicy.final`):
 each finish is guarded by its claim, so one that landed on an earlier try is
 not written twice. Only the first try claims: a retry, or the last try of a hard
@@ -22,7 +28,7 @@ from collections.abc import Callable
 from uuid import UUID
 
 from .errors import OutcomeUnknown
-from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore
+from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore, Starting
 from .retry import RetryPolicy
 from .state import Finish, WorkerState
 
@@ -54,16 +60,28 @@ class Completer:
         self.state.stats.finishing += 1
         self.state.kick()
 
+    def start(self, job: ClaimedJob, build_id: UUID) -> None:
+        """A running executor asked for its build row to say 'building' (not awaited)."""
+        self.state.starts.append((job, build_id))
+        self.state.kick()
+
     def take_batch(self) -> list[Finish]:
         batch, self.state.finishes = self.state.finishes, []
         return batch
 
-    async def send(self, batch: list[Finish], want: int) -> list[ClaimedJob]:
+    def take_starts(self) -> list[Starting]:
+        starts, self.state.starts = self.state.starts, []
+        return starts
+
+    async def send(self, batch: list[Finish], want: int,
+                   starts: list[Starting] | None = None) -> list[ClaimedJob]:
         """
-        Record every outcome of `batch` and claim up to `want` jobs (on the first
-        try only); return the claimed jobs. Retried until it lands.
+        Record every outcome of `batch`, write `starts`, and claim up to `want`
+        jobs (on the first try only); return the claimed jobs. Retried until it
+        lands.
         """
-        finishing = [(f.job, f.build_id) for f in batch]
+        finishing = [(f.job, f.build_id, f.report) for f in batch]
+        starting = starts or []
         tries = 0
 
         async def send_once() -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
@@ -71,13 +89,15 @@ class Completer:
             tries += 1
             try:
                 return await self.store.finish_many_and_claim(
-                    finishing, want if tries == 1 else 0)
+                    finishing, want if tries == 1 else 0, starts=starting)
             except ClaimOutcomeUnknown as exc:
                 self.on_lost_claim(exc)  # given back; the finishes are sent again
                 raise OutcomeUnknown(str(exc)) from exc
 
         statuses, claimed = await self.retry.final("finish", send_once)
         self.record(batch, statuses)
+        if starting:
+            self.state.stats.marked_building += len(starting)
         return claimed
 
     def record(self, batch: list[Finish], statuses: dict[UUID, JobStatus | None]) -> None:
@@ -93,8 +113,13 @@ class Completer:
                 log.info("job %s (%s): %s", finish.job.id, finish.label, status or "gone")
         stats.finishing -= len(batch)
 
-    def dropped(self, batch: list[Finish]) -> None:
+    def dropped(self, batch: list[Finish], starts: list[Starting] | None = None) -> None:
         """A hard stop gave up on `batch` (the database did not answer in time)."""
         self.state.stats.finishing -= len(batch)
-        log.error("the outcomes of %d finished job(s) may not be recorded (the database did "
-                  "not answer in time); a rescue or the sweep recovers what is left", len(batch))
+        if starts:
+            log.warning("%d start write(s) may not be recorded (the database did not "
+                        "answer in time)", len(starts))
+        if batch:
+            log.error("the outcomes of %d finished job(s) may not be recorded (the database "
+                      "did not answer in time); a rescue or the sweep recovers what is left",
+                      len(batch))

@@ -4,9 +4,12 @@ Executors: the application's code for each kind of job, and what it is given.
 The worker loop knows nothing of any kind. An application registers one
 executor per payload type; a replica runs (and claims) only the kinds it has
 executors for. A build job's executor reports its outcome the way the
-original's do: by writing the job's build row ('success' or 'failed').
-Returning means "look at the build row"; raising means the run crashed (a
-"panic") and is retried while attempts are left. A plain job's executor
+original's do, by writing the job's build row ('success' or 'failed'), or
+through its context (`ctx.report_success()`, `ctx.report_failure()`,
+`ctx.mark_building()`), which costs no round trip: the worker writes the build
+row in the statement that finishes the job (issue #13). Returning means "look
+at the build row"; raising means the run crashed (a "panic") and is retried
+while attempts are left, and whatever it reported is dropped. A plain job's executor
 (`JobArgs` types) returns for done and raises for a retry after its backoff.
 """
 
@@ -20,15 +23,44 @@ import attrs
 
 from .database import Database
 from .job_args import Backoff, BackoffFn, JobArgs
+from .jobs import BuildReport
 from .payloads import Payload, Target
 
 P = TypeVar("P", bound=Payload)
 A = TypeVar("A", bound=JobArgs)
 
 
+@attrs.define(eq=False)
+class RunReport:
+    """
+    What one run reported through its context: the one mutable part of a frozen
+    `JobContext`, shared with the worker's slot, which reads it once the executor
+    returns (and drops it when the run crashed).
+    """
+
+    #: The last `report_success()` / `report_failure()`; None: nothing reported.
+    outcome: BuildReport | None = None
+    #: `mark_building()` was called in this run.
+    building: bool = False
+    #: Queues the start write for the worker's next statement; None for a context
+    #: built outside a worker (a unit test of an executor), which only records it.
+    on_building: Callable[[], None] | None = None
+
+
 @attrs.frozen(kw_only=True)
 class JobContext(Generic[P]):
-    """Everything an executor gets for one run of one job."""
+    """
+    Everything an executor gets for one run of one job.
+
+    An executor reports on its build row (docs/rules.md §5: 'success' makes the job
+    done, anything else failed) either by writing the row itself through `db`, as
+    the original's executors do, or through this context, which is cheaper: the
+    worker writes the row in the statement that records the job's outcome
+    (`report_success`, `report_failure`) or in its next statement
+    (`mark_building`), so neither costs a round trip of its own. The two ways mix:
+    a build row already 'success' or 'failed' when the report is written is left
+    as it is, and decides.
+    """
 
     #: `build_jobs.id`.
     job_id: UUID
@@ -43,6 +75,62 @@ class JobContext(Generic[P]):
     target: Target
     #: The queue's database, for the executor's own writes (its build row).
     db: Database
+    _run: RunReport = attrs.field(factory=RunReport, alias="_run", repr=False, eq=False)
+
+    def report_success(self) -> None:
+        """
+        The build worked: once this run returns, its build row becomes 'success' and
+        the job done, in one statement (atomic: both or neither).
+
+        Nothing is written now; the worker's next statement writes it together with
+        the job's outcome (a connector build gets `completed_at` too), so it costs
+        no round trip. If the run then raises (or times out, or its worker is
+        stopped or fenced), nothing reported is written: the crash rules apply. A
+        build row that is already 'success' or 'failed' when the statement runs
+        (written by the executor itself or by someone else) is left as it is and
+        decides the job's outcome; a missing one fails the job. The last report of
+        a run wins. The target's own row (the agent's or connector's status, a url)
+        is still the executor's to write.
+        """
+        self._run.outcome = BuildReport.SUCCESS
+
+    def report_failure(self) -> None:
+        """
+        The build failed in the ordinary way: once this run returns, its build row
+        becomes 'failed' and the job failed (`build or deploy step failed …`), in
+        one statement, not retried. As for any ordinary failure, the worker does not
+        terminalize the target: undoing the agent or connector stays the
+        executor's part (docs/rules.md §5, §6). Otherwise as `report_success`.
+        """
+        self._run.outcome = BuildReport.FAILED
+
+    @property
+    def reported(self) -> BuildReport | None:
+        """What this run has reported so far (None: nothing)."""
+        return self._run.outcome
+
+    def mark_building(self) -> None:
+        """
+        Ask for the build row to say 'building' (the original executors' first
+        write), without waiting for it.
+
+        The write rides on the worker's next statement, batched with the other
+        slots' start writes and finishes: it costs no round trip, and is visible
+        once that statement commits, typically within a millisecond or two (one
+        statement in flight ahead of it), but not necessarily before this call's
+        next line. It changes only a row that is still 'queued' ('pending' for a
+        connector build), so it never overwrites 'success' or 'failed', however
+        late it lands; it is written even if the run then crashes, like the
+        original's first write. When the row must say 'building' before the
+        executor goes on (something else waits for it), write it through `db`
+        instead: one round trip. Calling it again in a run does nothing.
+        """
+        run = self._run
+        if run.building:
+            return
+        run.building = True
+        if run.on_building is not None:
+            run.on_building()
 
 
 Executor = Callable[[JobContext[P]], Awaitable[None]]

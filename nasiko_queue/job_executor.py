@@ -15,7 +15,9 @@ this takes it through the steps, in order:
    counts as a crash.
 
 When the executor returns, the slot hands the job to the completer (step 5: the
-build row decides done or failed). A hard stop cancels the executor; the job
+build row decides done or failed; what the executor reported through its context
+is written to the build row in the same statement). A run that crashes drops its
+report. A hard stop cancels the executor; the job
 goes back to pending at once (shielded, bounded), its attempt counted.
 """
 
@@ -27,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from uuid import UUID
 
 from .errors import InvalidPayload
-from .executors import JobContext
+from .executors import JobContext, RunReport
 from .job_errors import secret_values
 from .jobs import (
     INVALID_PAYLOAD,
@@ -74,6 +76,9 @@ class JobExecutor(Slots[JobStore]):
         if executor is None:  # the claim filters on our kinds, so this is a bug
             raise RuntimeError(f"claimed a {payload.kind} job without an executor for it")
         assert job.owner_id is not None  # build_jobs.owner_id is NOT NULL
+        # What the executor reports through ctx; read only if it returns. (The
+        # build id is read when needed: a payload type's property may be buggy.)
+        run = RunReport(on_building=lambda: self.completer.start(job, payload.build_id))
         ctx = JobContext(
             job_id=job.id,
             attempt=job.attempt,
@@ -81,6 +86,7 @@ class JobExecutor(Slots[JobStore]):
             owner_id=job.owner_id,
             target=Target(agent_id=job.agent_id, connector_id=job.connector_id),
             db=self.queue.db,
+            _run=run,
         )
         label = f"{payload.kind} {label_of(payload)}"
         limit = self.executors.timeout_for(payload.kind) or self.config.job_timeout
@@ -92,7 +98,7 @@ class JobExecutor(Slots[JobStore]):
             return None
         if ran is Ran.FENCED:
             return None
-        return Finish(job=job, build_id=payload.build_id, label=label)
+        return Finish(job=job, build_id=payload.build_id, label=label, report=run.outcome)
 
     def _parse(self, job: ClaimedJob) -> Payload | None:
         """

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Protocol
 from uuid import UUID
@@ -64,6 +64,17 @@ class JobStatus(enum.StrEnum):
     PENDING = "pending"
     IN_PROGRESS = "in_progress"
     DONE = "done"
+    FAILED = "failed"
+
+
+class BuildReport(enum.StrEnum):
+    """
+    An outcome an executor reported through its context (`JobContext.report_success`,
+    `report_failure`): the status the completer's statement writes to the job's build
+    row, in the same statement as the job's own done or failed (issue #13).
+    """
+
+    SUCCESS = "success"
     FAILED = "failed"
 
 
@@ -105,6 +116,15 @@ class ClaimedJob:
     @property
     def is_connector_job(self) -> bool:
         return self.connector_id is not None
+
+
+#: A finish as the store sends it: the job, the build row that decides it (None for
+#: a plain job), and what its executor reported through its context (None: nothing,
+#: the build row decides as it stands).
+Finishing = tuple[ClaimedJob, UUID | None, BuildReport | None]
+
+#: A start write (`JobContext.mark_building`): the job and its build row.
+Starting = tuple[ClaimedJob, UUID]
 
 
 @attrs.frozen
@@ -234,7 +254,7 @@ class LaneStore(Protocol):
     async def claim(self, limit: int) -> list[ClaimedJob]: ...
 
     async def finish_many_and_claim(
-        self, finishing: list[tuple[ClaimedJob, UUID | None]], limit: int
+        self, finishing: Sequence[Finishing], limit: int, *, starts: Sequence[Starting] = ()
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]: ...
 
     async def resolve_lost_claim(self, claim: LostClaim) -> int: ...
@@ -342,30 +362,41 @@ class PgJobStore:
         One job's `finish_many_and_claim` with no claim: the worker batches its
         finishes, so this is for tools and tests.
         """
-        statuses, _ = await self.finish_many_and_claim([(job, build_id)], 0)
+        statuses, _ = await self.finish_many_and_claim([(job, build_id, None)], 0)
         return statuses.get(job.id)
 
     async def finish_many_and_claim(
-        self, finishing: list[tuple[ClaimedJob, UUID | None]], limit: int
+        self, finishing: Sequence[Finishing], limit: int, *, starts: Sequence[Starting] = ()
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
         """
-        `finish_from_build` for every (job, build id) and `claim(limit)`, in one
-        round trip: the worker's fetcher records every finish queued since its
-        last statement and claims what its slots and prefetch buffer have room
+        `finish_from_build` for every (job, build id, report) and `claim(limit)`,
+        in one round trip: the worker's fetcher records every finish queued since
+        its last statement and claims what its slots and prefetch buffer have room
         for, so the claim's SQL lives in two statements, not three. Returns each
         job's status (None: gone or no longer ours) and the claims.
 
+        A finish whose executor reported through its context (`BuildReport`) also
+        writes the build row, in this statement: the job is done exactly when its
+        build row ends 'success'. A build row already 'success' or 'failed' is left
+        as it is and decides. `starts` ride along too: each build row goes from
+        'queued' ('pending') to 'building', and is otherwise left alone, so a start
+        write that arrives late never hides an outcome. Together they spare an
+        executor the two round trips of writing its build row itself.
+
         Raises:
             ClaimOutcomeUnknown: no answer in time (with `limit` > 0; without a
-                claim, plain `OutcomeUnknown`). The finishes are safe to send
-                again: each is guarded by its claim.
+                claim, plain `OutcomeUnknown`). The finishes and starts are safe to
+                send again: each finish is guarded by its claim, each build write by
+                the row's status.
         """
         token = uuid.uuid4()
+        sent = [(j, b, None if r is None else r.value) for j, b, r in finishing]
+        sent += [(j, b, "building") for j, b in starts]
         args = (
-            [j.id for j, _ in finishing],
-            [j.attempt for j, _ in finishing],
-            [j.is_connector_job for j, _ in finishing],
-            [b for _, b in finishing],
+            [j.id for j, _, _ in sent],
+            [j.attempt for j, _, _ in sent],
+            [j.is_connector_job for j, _, _ in sent],
+            [b for _, b, _ in sent],
             BUILD_FAILED,
             limit,
             self._runnable,
@@ -373,6 +404,7 @@ class PgJobStore:
             self._config.max_payload_bytes,
             token,
             self.worker_id,
+            [r for _, _, r in sent],
         )
         rows = await fetch_claiming(self._db, self._finish_sql, args, token=token,
                                     claims=limit > 0, bound=self._bound)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from uuid import UUID
 
 import asyncpg
@@ -25,8 +25,10 @@ from .database import Database
 from .job_errors import JobError
 from .jobs import (
     ClaimedJob,
+    Finishing,
     JobStatus,
     LostClaim,
+    Starting,
     end_claims_backend,
     fetch_claiming,
     without_flush_wait,
@@ -80,14 +82,15 @@ class PlainJobStore:
         return jobs
 
     async def finish_many_and_claim(
-        self, finishing: list[tuple[ClaimedJob, UUID | None]], limit: int
+        self, finishing: Sequence[Finishing], limit: int, *, starts: Sequence[Starting] = ()
     ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
         """
         Complete each job of `finishing` (its executor returned) and claim up to
         `limit`, in one round trip. A completed job reports `JobStatus.DONE`.
+        Plain jobs have no build row: nothing is reported or started.
         """
         token = uuid.uuid4()
-        args = ([j.id for j, _ in finishing], [j.attempt for j, _ in finishing],
+        args = ([j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing],
                 self.queue, limit, token, self._worker_id(),
                 self._config.max_payload_bytes)
         rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,

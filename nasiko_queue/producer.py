@@ -2,9 +2,9 @@
 The producer: the one task that claims jobs for a worker's slots.
 
 It sends every statement the slots need: a claim for the room they have (free
-slots, plus the prefetch buffer), carrying the finishes the completer has queued
-since the previous statement. Claimed jobs go into the local buffer, oldest
-first, where the slots take them.
+slots, plus the prefetch buffer), carrying the finishes (and the executors' start
+writes) the completer has queued since the previous statement. Claimed jobs go
+into the local buffer, oldest first, where the slots take them.
 
 Two statements may be in flight at once with several slots, each claiming at
 most half of the slots and buffer, so that half the slots run their jobs while
@@ -31,7 +31,7 @@ import trio
 
 from .completer import Completer
 from .errors import is_transient
-from .jobs import ClaimedJob, ClaimOutcomeUnknown, LaneStore, LostClaim
+from .jobs import ClaimedJob, ClaimOutcomeUnknown, LaneStore, LostClaim, Starting
 from .retry import RetryPolicy, one_line
 from .state import STATEMENTS_IN_FLIGHT, Finish, WorkerState
 
@@ -80,10 +80,10 @@ class Producer:
                 state.lost_claims.clear()
             elif state.buffer and (state.closing or expired):
                 await self.give_back(expired=not state.closing)
-            elif state.finishes and free:
+            elif (state.finishes or state.starts) and free:
                 want = state.claim_size()
                 statements.start_soon(self._send_finishes, self.completer.take_batch(), want,
-                                      self._begin(want))
+                                      self._begin(want), self.completer.take_starts())
             elif state.draining and free and state.claim_size():
                 want = state.claim_size()
                 statements.start_soon(self._send_claim, want, self._begin(want))
@@ -112,9 +112,10 @@ class Producer:
         self.state.kick()
         self.state.notify()
 
-    async def _send_finishes(self, batch: list[Finish], want: int, drain: int) -> None:
+    async def _send_finishes(self, batch: list[Finish], want: int, drain: int,
+                             starts: list[Starting] | None = None) -> None:
         try:
-            self._accept(await self.completer.send(batch, want), want, drain)
+            self._accept(await self.completer.send(batch, want, starts), want, drain)
         finally:
             self._done(want)
 
@@ -245,7 +246,8 @@ class Producer:
         state = self.state
         state.closing = True
         bound = 2 * self.config.cleanup_timeout  # one try, and one more after a pause
-        while state.lost_claims or state.buffer or state.finishes or state.slots_alive:
+        while (state.lost_claims or state.buffer or state.finishes or state.starts
+               or state.slots_alive):
             if state.lost_claims:
                 claim = state.lost_claims.pop()
                 with trio.move_on_after(bound) as scope:
@@ -255,11 +257,11 @@ class Producer:
                               "its jobs wait for a rescue or the sweep")
             elif state.buffer:
                 await self.give_back(expired=False)
-            elif state.finishes:
-                batch = self.completer.take_batch()
+            elif state.finishes or state.starts:
+                batch, starts = self.completer.take_batch(), self.completer.take_starts()
                 with trio.move_on_after(bound) as scope:
-                    await self._send_finishes(batch, 0, self._begin(0))
+                    await self._send_finishes(batch, 0, self._begin(0), starts)
                 if scope.cancelled_caught:
-                    self.completer.dropped(batch)
+                    self.completer.dropped(batch, starts)
             else:
                 await state.wait_kicked()

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from .config import QueueConfig
-from .jobs import ClaimedJob, LostClaim
+from .jobs import BuildReport, ClaimedJob, LostClaim, Starting
 
 #: Statements the producer keeps in flight at once with several slots.
 STATEMENTS_IN_FLIGHT = 2
@@ -101,6 +101,9 @@ class WorkerStats:
     retried: int = 0
     #: Plain jobs stopped while running at a cancel's request.
     cancelled: int = 0
+    #: Start writes (`JobContext.mark_building`) whose statement committed: each
+    #: build row then says 'building', unless it had already moved past 'queued'.
+    marked_building: int = 0
     _changed_lot: trio.lowlevel.ParkingLot | None = attrs.field(
         default=None, repr=False, eq=False, alias="_changed_lot")
 
@@ -144,6 +147,9 @@ class Finish:
     #: "<kind> <label>", computed by the slot: the completer runs no code of the
     #: payload type's, so a bug there cannot take it down.
     label: str
+    #: What the executor reported through its context, for the completer's
+    #: statement to write to the build row (None: the build row decides as it is).
+    report: BuildReport | None = None
 
 
 @attrs.define(eq=False)
@@ -159,7 +165,8 @@ class WorkerState:
       their claims may take (`reserved`), ends a drain when a claim comes back
       short, and collects `lost_claims` to resolve;
     * the slots (`JobExecutor`) take from `buffer` and count `running`;
-    * the completer queues `finishes` for the producer's next statement.
+    * the completer queues `finishes` and `starts` for the producer's next
+      statement.
 
     `kick()` wakes the producer to look at its work again; `notify()` wakes
     `drain_once` and `wait_for` (counters do so by themselves).
@@ -174,6 +181,9 @@ class WorkerState:
     job_ready: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     #: Finishes handed over by the slots, for the producer's next statement.
     finishes: list[Finish] = attrs.Factory(list)
+    #: Start writes asked for by running executors (`JobContext.mark_building`),
+    #: for the producer's next statement too.
+    starts: list[Starting] = attrs.Factory(list)
     #: Claims whose answer was lost, waiting to be resolved; resolutions under way.
     lost_claims: list[LostClaim] = attrs.Factory(list)
     resolving: int = 0
@@ -291,7 +301,7 @@ class WorkerState:
         """Nothing in hand and nothing about to start: no drain running or asked for."""
         stats = self.stats
         return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
-                and not self.draining and not self.woken and not self.in_flight
+                and not self.starts and not self.draining and not self.woken and not self.in_flight
                 and not self.lost_claims and not self.resolving)
 
     # -- room ------------------------------------------------------------------

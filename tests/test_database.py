@@ -162,9 +162,10 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
         "job_claim": ("int, text[], text[], int, uuid, uuid",
                       f"10, {kinds}, {kinds}, 1000, gen_random_uuid(), gen_random_uuid()"),
         "jobs_finish_many_and_claim": (
-            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid",
+            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid, "
+            "text[]",
             f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
-            "gen_random_uuid(), gen_random_uuid()"),
+            "gen_random_uuid(), gen_random_uuid(), ARRAY['success']"),
         "jobs_unclaim": ("uuid[], int[], text", f"{ids}, ARRAY[1], 'ch'"),
         "jobs_unclaim_lost": ("uuid, int, text", "gen_random_uuid(), 60, 'ch'"),
     }
@@ -209,9 +210,9 @@ async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
         "FROM generate_series(1, 2000)", agent)
     kinds = "'{Upload}'::text[]"
     ids = "ARRAY[gen_random_uuid()]"
-    types = "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid"
+    types = "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid, text[]"
     args = (f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
-            "gen_random_uuid(), gen_random_uuid()")
+            "gen_random_uuid(), gen_random_uuid(), ARRAY['success']")
 
     async def explain(conn: Any) -> list[str]:
         async with conn.transaction():

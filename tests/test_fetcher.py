@@ -91,12 +91,12 @@ class FailsFirstFinish(PgJobStore):
         self.failed = trio.Event()
         self.limits: list[int] = []
 
-    async def finish_many_and_claim(self, finishing: Any, limit: int) -> Any:
+    async def finish_many_and_claim(self, finishing: Any, limit: int, **kw: Any) -> Any:
         self.limits.append(limit)
         if not self.failed.is_set():
             self.failed.set()
             raise ConnectionResetError("connection reset by peer")
-        return await super().finish_many_and_claim(finishing, limit)
+        return await super().finish_many_and_claim(finishing, limit, **kw)
 
 
 async def test_a_retried_finish_claims_nothing_so_a_hard_stop_orphans_no_job(

@@ -116,9 +116,9 @@ class CountingStore(PgJobStore):
         self.calls["finish"] += 1
         return await super().finish_from_build(*args)
 
-    async def finish_many_and_claim(self, *args: Any) -> Any:
+    async def finish_many_and_claim(self, *args: Any, **kw: Any) -> Any:
         self.calls["finish_and_claim"] += 1
-        return await super().finish_many_and_claim(*args)
+        return await super().finish_many_and_claim(*args, **kw)
 
 
 async def test_one_round_trip_per_job_at_concurrency_one(queue: Queue) -> None:
@@ -149,9 +149,9 @@ class CountingBatches(PgJobStore):
         super().__init__(*args, **kwargs)
         self.batches: list[int] = []
 
-    async def finish_many_and_claim(self, finishing: Any, limit: int) -> Any:
+    async def finish_many_and_claim(self, finishing: Any, limit: int, **kw: Any) -> Any:
         self.batches.append(len(finishing))
-        return await super().finish_many_and_claim(finishing, limit)
+        return await super().finish_many_and_claim(finishing, limit, **kw)
 
 
 async def test_several_slots_finish_through_the_fetcher(queue: Queue) -> None:

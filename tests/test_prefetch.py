@@ -31,9 +31,9 @@ class CountingBatches(PgJobStore):
         self.batches: list[int] = []
         self.claims = 0
 
-    async def finish_many_and_claim(self, finishing: Any, limit: int) -> Any:
+    async def finish_many_and_claim(self, finishing: Any, limit: int, **kw: Any) -> Any:
         self.batches.append(len(finishing))
-        return await super().finish_many_and_claim(finishing, limit)
+        return await super().finish_many_and_claim(finishing, limit, **kw)
 
     async def claim(self, limit: int) -> Any:
         self.claims += 1

@@ -75,10 +75,10 @@ class FakeStore:
         return JobStatus.DONE
 
     async def finish_many_and_claim(
-        self, finishing: list[tuple[ClaimedJob, uuid.UUID]], limit: int
+        self, finishing: list[tuple[ClaimedJob, uuid.UUID, Any]], limit: int, **_: Any
     ) -> tuple[dict[uuid.UUID, JobStatus | None], list[ClaimedJob]]:
         statuses: dict[uuid.UUID, JobStatus | None] = {
-            job.id: await self.finish_from_build(job, build) for job, build in finishing}
+            job.id: await self.finish_from_build(job, build) for job, build, _ in finishing}
         return statuses, await self.claim(limit)
 
     async def unclaim(self, jobs: list[ClaimedJob]) -> int:

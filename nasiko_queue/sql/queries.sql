@@ -462,16 +462,58 @@ WHERE id = ANY (ARRAY(
 -- finished_id set report a finish (finished_status: what the row holds for
 -- that attempt now, NULL when gone or no longer ours; a retried batch thus
 -- reports what its first try wrote); rows with id set are claimed jobs.
+-- $12, one per row of $1, is what the executor reported through its context
+-- (issue #13: its build-row writes folded into this statement): NULL, nothing (the
+-- build row decides as it stands); 'success' or 'failed', a finish that also writes
+-- the build row, atomically with the job's done or failed (a connector build's
+-- completed_at too), unless that row is already 'success' or 'failed' (then it
+-- stays, and decides); 'building', no finish at all but a start write
+-- (`JobContext.mark_building`): the build row goes from 'queued' ('pending' for a
+-- connector) to 'building', and from nothing else.
 WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
-        AS i(id, attempt, is_connector, build_id)
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::text[])
+        AS i(id, attempt, is_connector, build_id, reported)
+), report AS (
+    -- The folded writes, one per build row: two runs reporting on one row in one
+    -- statement (two jobs of one build) agree on one status, the failure.
+    SELECT build_id, is_connector, min(reported) AS reported
+    FROM input WHERE reported IN ('success', 'failed')
+    GROUP BY build_id, is_connector
+), agent_locked AS MATERIALIZED (
+    -- Every build row this statement writes (folded reports, start writes), locked
+    -- in id order before any job row: a terminalization locks the builds before its
+    -- agent's delete cascades to the jobs, so the other order could deadlock with it.
+    SELECT b.id, false AS is_connector, b.status::text AS status
+    FROM agent_builds AS b
+    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input
+                            WHERE reported IS NOT NULL AND NOT is_connector))
+    ORDER BY b.id
+    FOR UPDATE
+), connector_locked AS MATERIALIZED (
+    SELECT b.id, true AS is_connector, b.status
+    FROM mcp_connector_builds AS b
+    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input WHERE reported IS NOT NULL AND is_connector))
+    ORDER BY b.id
+    FOR UPDATE
+), locked AS (
+    SELECT * FROM agent_locked UNION ALL SELECT * FROM connector_locked
 ), outcome AS (
-    SELECT i.id, i.attempt,
-           CASE WHEN i.is_connector
+    -- What decides each finish: the build row as it stands, or, for a folded
+    -- report, the reported status, unless the (locked) row is already 'success' or
+    -- 'failed' (then it decides, and is left as it is) or missing (failed).
+    SELECT i.id, i.attempt, i.build_id, i.reported IS NOT NULL AS folded,
+           CASE WHEN i.reported IS NOT NULL
+                THEN (SELECT CASE WHEN l.status IN ('success', 'failed') THEN l.status
+                                  ELSE r.reported END
+                      FROM report AS r JOIN locked AS l
+                           ON l.id = r.build_id AND l.is_connector = r.is_connector
+                      WHERE r.build_id = i.build_id AND r.is_connector = i.is_connector)
+                WHEN i.is_connector
                 THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
                 ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
            END AS build_status
     FROM input AS i
+    WHERE i.reported IS DISTINCT FROM 'building'
 ), finished AS (
     UPDATE build_jobs AS j
     SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
@@ -483,7 +525,39 @@ WITH input AS (
     -- take in_progress for rare) reads every in_progress row of every worker.
     WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
       AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
-    RETURNING j.id, j.status
+      AND (SELECT count(*) FROM locked) >= 0  -- the build rows first (a one-time filter)
+    RETURNING j.id, j.status, o.build_id, o.folded
+), folded_agent AS (
+    -- A folded report lands with its job's finish, or not at all (claim no
+    -- longer current, job gone), and never over a 'success' or 'failed' row.
+    UPDATE agent_builds AS b
+    SET status = r.reported::build_status
+    FROM report AS r
+    WHERE b.id = r.build_id AND NOT r.is_connector AND b.status IN ('queued', 'building')
+      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+), folded_connector AS (
+    UPDATE mcp_connector_builds AS b
+    SET status = r.reported, completed_at = now()
+    FROM report AS r
+    WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')
+      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+), started_agent AS (
+    -- Start writes: 'building' over 'queued' only, so never over a later outcome;
+    -- a row this statement also reports on gets the report alone.
+    UPDATE agent_builds AS b
+    SET status = 'building'
+    FROM input AS i
+    WHERE i.reported = 'building' AND NOT i.is_connector AND b.id = i.build_id
+      AND b.status = 'queued'
+      AND NOT EXISTS (SELECT 1 FROM report AS r
+                      WHERE r.build_id = i.build_id AND NOT r.is_connector)
+), started_connector AS (
+    UPDATE mcp_connector_builds AS b
+    SET status = 'building'
+    FROM input AS i
+    WHERE i.reported = 'building' AND i.is_connector AND b.id = i.build_id
+      AND b.status = 'pending'
+      AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
 ), claimed AS (
     UPDATE build_jobs AS j
     SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
@@ -511,6 +585,7 @@ SELECT i.id AS finished_id,
        NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
        NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
 FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
+WHERE i.reported IS DISTINCT FROM 'building'
 UNION ALL
 SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
        c.created_at, c.target_soft_deleted
@@ -528,16 +603,58 @@ FROM claimed AS c;
 -- finished_id set report a finish (finished_status: what the row holds for
 -- that attempt now, NULL when gone or no longer ours; a retried batch thus
 -- reports what its first try wrote); rows with id set are claimed jobs.
+-- $12, one per row of $1, is what the executor reported through its context
+-- (issue #13: its build-row writes folded into this statement): NULL, nothing (the
+-- build row decides as it stands); 'success' or 'failed', a finish that also writes
+-- the build row, atomically with the job's done or failed (a connector build's
+-- completed_at too), unless that row is already 'success' or 'failed' (then it
+-- stays, and decides); 'building', no finish at all but a start write
+-- (`JobContext.mark_building`): the build row goes from 'queued' ('pending' for a
+-- connector) to 'building', and from nothing else.
 WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
-        AS i(id, attempt, is_connector, build_id)
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::text[])
+        AS i(id, attempt, is_connector, build_id, reported)
+), report AS (
+    -- The folded writes, one per build row: two runs reporting on one row in one
+    -- statement (two jobs of one build) agree on one status, the failure.
+    SELECT build_id, is_connector, min(reported) AS reported
+    FROM input WHERE reported IN ('success', 'failed')
+    GROUP BY build_id, is_connector
+), agent_locked AS MATERIALIZED (
+    -- Every build row this statement writes (folded reports, start writes), locked
+    -- in id order before any job row: a terminalization locks the builds before its
+    -- agent's delete cascades to the jobs, so the other order could deadlock with it.
+    SELECT b.id, false AS is_connector, b.status::text AS status
+    FROM agent_builds AS b
+    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input
+                            WHERE reported IS NOT NULL AND NOT is_connector))
+    ORDER BY b.id
+    FOR UPDATE
+), connector_locked AS MATERIALIZED (
+    SELECT b.id, true AS is_connector, b.status
+    FROM mcp_connector_builds AS b
+    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input WHERE reported IS NOT NULL AND is_connector))
+    ORDER BY b.id
+    FOR UPDATE
+), locked AS (
+    SELECT * FROM agent_locked UNION ALL SELECT * FROM connector_locked
 ), outcome AS (
-    SELECT i.id, i.attempt,
-           CASE WHEN i.is_connector
+    -- What decides each finish: the build row as it stands, or, for a folded
+    -- report, the reported status, unless the (locked) row is already 'success' or
+    -- 'failed' (then it decides, and is left as it is) or missing (failed).
+    SELECT i.id, i.attempt, i.build_id, i.reported IS NOT NULL AS folded,
+           CASE WHEN i.reported IS NOT NULL
+                THEN (SELECT CASE WHEN l.status IN ('success', 'failed') THEN l.status
+                                  ELSE r.reported END
+                      FROM report AS r JOIN locked AS l
+                           ON l.id = r.build_id AND l.is_connector = r.is_connector
+                      WHERE r.build_id = i.build_id AND r.is_connector = i.is_connector)
+                WHEN i.is_connector
                 THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
                 ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
            END AS build_status
     FROM input AS i
+    WHERE i.reported IS DISTINCT FROM 'building'
 ), finished AS (
     UPDATE build_jobs AS j
     SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
@@ -549,7 +666,39 @@ WITH input AS (
     -- take in_progress for rare) reads every in_progress row of every worker.
     WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
       AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
-    RETURNING j.id, j.status
+      AND (SELECT count(*) FROM locked) >= 0  -- the build rows first (a one-time filter)
+    RETURNING j.id, j.status, o.build_id, o.folded
+), folded_agent AS (
+    -- A folded report lands with its job's finish, or not at all (claim no
+    -- longer current, job gone), and never over a 'success' or 'failed' row.
+    UPDATE agent_builds AS b
+    SET status = r.reported::build_status
+    FROM report AS r
+    WHERE b.id = r.build_id AND NOT r.is_connector AND b.status IN ('queued', 'building')
+      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+), folded_connector AS (
+    UPDATE mcp_connector_builds AS b
+    SET status = r.reported, completed_at = now()
+    FROM report AS r
+    WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')
+      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+), started_agent AS (
+    -- Start writes: 'building' over 'queued' only, so never over a later outcome;
+    -- a row this statement also reports on gets the report alone.
+    UPDATE agent_builds AS b
+    SET status = 'building'
+    FROM input AS i
+    WHERE i.reported = 'building' AND NOT i.is_connector AND b.id = i.build_id
+      AND b.status = 'queued'
+      AND NOT EXISTS (SELECT 1 FROM report AS r
+                      WHERE r.build_id = i.build_id AND NOT r.is_connector)
+), started_connector AS (
+    UPDATE mcp_connector_builds AS b
+    SET status = 'building'
+    FROM input AS i
+    WHERE i.reported = 'building' AND i.is_connector AND b.id = i.build_id
+      AND b.status = 'pending'
+      AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
 ), claimed AS (
     UPDATE build_jobs AS j
     SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
@@ -592,6 +741,7 @@ SELECT i.id AS finished_id,
        NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
        NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
 FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
+WHERE i.reported IS DISTINCT FROM 'building'
 UNION ALL
 SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
        c.created_at, c.target_soft_deleted

@@ -688,7 +688,7 @@ class QueueStateMachine(RuleBasedStateMachine):
             assert not self._call(store.heartbeat, None).alive
         build = job.build_id or uuid.uuid4()
         for claim in stale:
-            statuses = self._call(store.finish_many_and_claim, [(claim, build)], 0)[0]
+            statuses = self._call(store.finish_many_and_claim, [(claim, build, None)], 0)[0]
             assert statuses.get(claim.id) in (None, "failed"), (
                 f"a stale finish of {claim.id} reported {statuses.get(claim.id)}")
             self._call(self._stale_fail, claim, build)
