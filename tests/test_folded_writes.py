@@ -386,3 +386,60 @@ async def test_a_context_outside_a_worker_only_records_what_is_reported() -> Non
     assert (run.building, ctx.reported) == (True, BuildReport.FAILED)
     assert "RunReport" not in repr(ctx)
 
+
+
+
+# -- lock order -----------------------------------------------------------------------
+
+
+async def _waiting_on_locks(queue: Queue, n: int) -> None:
+    """Until `n` server processes of this database wait for a lock (each look is a
+    question to the server, not a pause)."""
+    sql = ("SELECT count(*) FROM pg_stat_activity "
+           "WHERE datname = current_database() AND wait_event_type = 'Lock'")
+    with trio.fail_after(10):
+        while await queue.db.fetchval(sql) < n:
+            await trio.lowlevel.checkpoint()
+
+
+async def test_two_statements_in_flight_lock_build_rows_in_one_order(queue: Queue) -> None:
+    """The worker's two statements in flight may write the same build rows: one the
+    jobs' start writes, the next their reports. Each locks every build row it writes
+    in id order before anything else, whichever of its writers runs first, so they
+    queue instead of deadlocking. Staged here: the reports wait for the lower row
+    (held by another transaction), then the start writes arrive listing the higher
+    row first; written in the order listed, they would take it and wait for the
+    lower one, and PostgreSQL would cancel one statement as a deadlock."""
+    store = _store(queue)
+    first = await enqueue_with_target(queue, "Upload")
+    second = await enqueue_with_target(queue, "Upload")
+    claimed = {j.id: j for j in await store.claim(2)}
+    low, high = sorted((first, second), key=lambda j: j.build_id)
+    release = trio.Event()
+
+    async def hold_the_lower_row(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with queue.db.transaction() as tx:
+            await tx.execute("SELECT 1 FROM agent_builds WHERE id = $1 FOR UPDATE",
+                             low.build_id)
+            task_status.started()
+            await release.wait()
+
+    async def report() -> None:
+        await store.finish_many_and_claim(
+            [(claimed[j.job_id], j.build_id, BuildReport.SUCCESS) for j in (low, high)], 0)
+
+    async def start() -> None:
+        await store.finish_many_and_claim(
+            [], 0, starts=[(claimed[j.job_id], j.build_id) for j in (high, low)])
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold_the_lower_row)
+            nursery.start_soon(report)
+            await _waiting_on_locks(queue, 1)
+            nursery.start_soon(start)
+            await _waiting_on_locks(queue, 2)
+            release.set()
+    for job in (low, high):
+        assert await build_state(queue.db, job.build_id) == "success"
+        assert (await job_row(queue.db, job.job_id) or {})["status"] == "done"

@@ -525,7 +525,10 @@ WITH input AS (
     -- take in_progress for rare) reads every in_progress row of every worker.
     WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
       AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
-      AND (SELECT count(*) FROM locked) >= 0  -- the build rows first (a one-time filter)
+      -- The build rows first, in id order, whichever writer of this statement runs
+      -- first (a data-modifying CTE the main query does not read runs at its end, in
+      -- no promised order): a one-time filter over `locked`, on every writer.
+      AND (SELECT count(*) FROM locked) >= 0
     RETURNING j.id, j.status, o.build_id, o.folded
 ), folded_agent AS (
     -- A folded report lands with its job's finish, or not at all (claim no
@@ -535,12 +538,14 @@ WITH input AS (
     FROM report AS r
     WHERE b.id = r.build_id AND NOT r.is_connector AND b.status IN ('queued', 'building')
       AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+      AND (SELECT count(*) FROM locked) >= 0
 ), folded_connector AS (
     UPDATE mcp_connector_builds AS b
     SET status = r.reported, completed_at = now()
     FROM report AS r
     WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')
       AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+      AND (SELECT count(*) FROM locked) >= 0
 ), started_agent AS (
     -- Start writes: 'building' over 'queued' only, so never over a later outcome;
     -- a row this statement also reports on gets the report alone.
@@ -551,6 +556,7 @@ WITH input AS (
       AND b.status = 'queued'
       AND NOT EXISTS (SELECT 1 FROM report AS r
                       WHERE r.build_id = i.build_id AND NOT r.is_connector)
+      AND (SELECT count(*) FROM locked) >= 0
 ), started_connector AS (
     UPDATE mcp_connector_builds AS b
     SET status = 'building'
@@ -558,6 +564,7 @@ WITH input AS (
     WHERE i.reported = 'building' AND i.is_connector AND b.id = i.build_id
       AND b.status = 'pending'
       AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
+      AND (SELECT count(*) FROM locked) >= 0
 ), claimed AS (
     UPDATE build_jobs AS j
     SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
@@ -666,7 +673,10 @@ WITH input AS (
     -- take in_progress for rare) reads every in_progress row of every worker.
     WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
       AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
-      AND (SELECT count(*) FROM locked) >= 0  -- the build rows first (a one-time filter)
+      -- The build rows first, in id order, whichever writer of this statement runs
+      -- first (a data-modifying CTE the main query does not read runs at its end, in
+      -- no promised order): a one-time filter over `locked`, on every writer.
+      AND (SELECT count(*) FROM locked) >= 0
     RETURNING j.id, j.status, o.build_id, o.folded
 ), folded_agent AS (
     -- A folded report lands with its job's finish, or not at all (claim no
@@ -676,12 +686,14 @@ WITH input AS (
     FROM report AS r
     WHERE b.id = r.build_id AND NOT r.is_connector AND b.status IN ('queued', 'building')
       AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+      AND (SELECT count(*) FROM locked) >= 0
 ), folded_connector AS (
     UPDATE mcp_connector_builds AS b
     SET status = r.reported, completed_at = now()
     FROM report AS r
     WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')
       AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+      AND (SELECT count(*) FROM locked) >= 0
 ), started_agent AS (
     -- Start writes: 'building' over 'queued' only, so never over a later outcome;
     -- a row this statement also reports on gets the report alone.
@@ -692,6 +704,7 @@ WITH input AS (
       AND b.status = 'queued'
       AND NOT EXISTS (SELECT 1 FROM report AS r
                       WHERE r.build_id = i.build_id AND NOT r.is_connector)
+      AND (SELECT count(*) FROM locked) >= 0
 ), started_connector AS (
     UPDATE mcp_connector_builds AS b
     SET status = 'building'
@@ -699,6 +712,7 @@ WITH input AS (
     WHERE i.reported = 'building' AND i.is_connector AND b.id = i.build_id
       AND b.status = 'pending'
       AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
+      AND (SELECT count(*) FROM locked) >= 0
 ), claimed AS (
     UPDATE build_jobs AS j
     SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
