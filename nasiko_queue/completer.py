@@ -56,6 +56,10 @@ class Completer:
 
     def add(self, finish: Finish) -> None:
         """A slot's executor returned: queue its outcome for the next statement."""
+        state = self.state
+        if finish.report is not None and state.starts:
+            # Its start write, not sent yet, is superseded by the report.
+            state.starts = [s for s in state.starts if s[0] is not finish.job]
         self.state.finishes.append(finish)
         self.state.stats.finishing += 1
         self.state.kick()

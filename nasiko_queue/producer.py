@@ -80,13 +80,20 @@ class Producer:
                 state.lost_claims.clear()
             elif state.buffer and (state.closing or expired):
                 await self.give_back(expired=not state.closing)
-            elif (state.finishes or state.starts) and free:
+            elif (state.finishes or (state.starts and not state.in_flight)) and free:
+                # Start writes ride on whatever goes next; alone only when nothing
+                # is in flight (one that is will be answered soon, and the finish
+                # that follows a start often supersedes it).
                 want = state.claim_size()
                 statements.start_soon(self._send_finishes, self.completer.take_batch(), want,
                                       self._begin(want), self.completer.take_starts())
             elif state.draining and free and state.claim_size():
                 want = state.claim_size()
-                statements.start_soon(self._send_claim, want, self._begin(want))
+                if state.starts:  # the finish statement claims too, and carries them
+                    statements.start_soon(self._send_finishes, [], want, self._begin(want),
+                                          self.completer.take_starts())
+                else:
+                    statements.start_soon(self._send_claim, want, self._begin(want))
             elif state.draining and state.fenced:
                 state.end_drain()  # cut off: nothing can be claimed until registered anew
             elif state.closing and not state.slots_alive and not state.in_flight \
