@@ -6,6 +6,7 @@ Run every workload in one go, then render: JSON, a rich table, a PNG plot.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -128,6 +129,7 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
         for p in (1, 2):
             steps.append((f"replicas {p} #{r}", lambda p=p: workloads.replicas(
                 dsn, s.replica_jobs, p, s.replica_concurrency)))
+    steps += build_row_steps(s, dsn)  # folded build-row writes (issue #13)
     return steps
 
 
@@ -201,6 +203,7 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "replicas": reps,
         "enqueue_vs_bare": _enqueue_assemble(raw, s),  # -- enqueue (issue #13)
         "replicas_2_vs_1": _two_vs_one(raw, s),
+        "build_row": build_row_result(raw, s),  # folded build-row writes (issue #13)
     }
 
 
@@ -380,6 +383,7 @@ def table(result: dict[str, Any]) -> Table:
                         f"({r['server_cores']:.2f} cores)")
         t.add_row("replicas", f"{r['processes']} process(es) × c={r['concurrency']}",
                   f"{r['jobs_per_s']:,.0f} jobs/s{vs_one}", _r(r["ratios"]) + cpu)
+    build_row_rows(t, result)  # folded build-row writes (issue #13)
     return t
 
 
@@ -435,3 +439,68 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+# -- folded build-row writes (issue #13) ------------------------------------------
+#
+# "drain, executor writes its build row": concurrency 10, default settings, the
+# executor writing 'building' then 'success' through its context (folded into the
+# worker's statements) or the old way (two `ctx.db.execute` of its own), each shown
+# as a ratio to the no-op drain at the same setting. The no-op and folded drains
+# alternate, three of each, so that the ratio compares runs a second or two apart,
+# not the start and the end of a noisy run; the old way runs once, on half the jobs.
+
+#: The order of the block's drains.
+BUILD_ROW_ORDER = ("noop", "folded", "direct", "noop", "folded", "noop", "folded")
+#: Their concurrency: the issue's target setting.
+BUILD_ROW_CONCURRENCY = 10
+
+
+def _build_row_jobs(s: Sizes, mode: str) -> int:
+    """The drain's jobs; half of them the old way, which runs at a third of the speed."""
+    return s.drain_jobs // 2 if mode == "direct" else s.drain_jobs
+
+
+def build_row_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+    return [(f"build row {i} {mode}",
+             functools.partial(workloads.drain_build_row, dsn, _build_row_jobs(s, mode),
+                               BUILD_ROW_CONCURRENCY, mode))
+            for i, mode in enumerate(BUILD_ROW_ORDER)]
+
+
+def build_row_result(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
+    """Each mode's mean jobs/s and its ratio to the no-op drain of the same block."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for i, mode in enumerate(BUILD_ROW_ORDER):
+        runs.setdefault(mode, []).append(raw[f"build row {i} {mode}"])
+    mean = {mode: sum(r["jobs_per_s"] for r in rs) / len(rs) for mode, rs in runs.items()}
+    plain = raw.get(_drain_step(BUILD_ROW_CONCURRENCY, 0))
+    return {
+        "concurrency": BUILD_ROW_CONCURRENCY,
+        "modes": {
+            mode: {"jobs_per_s": mean[mode], "vs_noop": mean[mode] / mean["noop"],
+                   "jobs": _build_row_jobs(s, mode),
+                   "runs": [r["jobs_per_s"] for r in rs],
+                   "jobs_per_statement": sum(r["jobs"] for r in rs)
+                   / max(1, sum(r["statements"] for r in rs)),
+                   "start_writes_sent": sum(r["start_writes"] for r in rs)}
+            for mode, rs in runs.items()},
+        # The drain workload's own no-op figure at this setting, when it ran.
+        "drain_c10_jobs_per_s": plain["jobs_per_s"] if plain else None,
+    }
+
+
+def build_row_rows(t: Table, result: dict[str, Any]) -> None:
+    b = result.get("build_row")
+    if not b:
+        return
+    labels = {"noop": "no build-row writes (rows prepared 'success')",
+              "folded": "start + end through ctx (folded)",
+              "direct": "start + end by ctx.db.execute (the old way)"}
+    for mode in ("noop", "folded", "direct"):
+        m = b["modes"][mode]
+        t.add_row("drain, executor writes its build row",
+                  f"c={b['concurrency']}: {labels[mode]}",
+                  f"{m['jobs_per_s']:,.0f} jobs/s ({m['jobs_per_statement']:.1f} jobs/statement)",
+                  f"{m['vs_noop']:.2f}x no-op c={b['concurrency']} (runs: "
+                  + ", ".join(f"{x:,.0f}" for x in m["runs"]) + ")")

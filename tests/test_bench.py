@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from rich.table import Table
 
 from benchmarks import runner
 
@@ -73,3 +74,26 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
     png = tmp_path / "bench.png"
     if runner.plot(data, png):
         assert png.stat().st_size > 0
+
+
+# -- folded build-row writes (issue #13) --------------------------------------------
+
+
+async def test_the_build_row_drains_run_and_are_shown_beside_the_no_op_drain(dsn: str) -> None:
+    """The block of "drain, executor writes its build row": every mode drains its
+    jobs (each checks that every build row ends 'success'), and each figure comes
+    with its ratio to the no-op drain of the same block."""
+    sizes = runner.TINY
+    raw = {}
+    for name, step in runner.build_row_steps(sizes, dsn):
+        raw[name] = await trio.to_thread.run_sync(step)
+    result = runner.build_row_result(raw, sizes)
+    assert set(result["modes"]) == {"noop", "folded", "direct"}
+    for mode in result["modes"].values():
+        assert mode["jobs_per_s"] > 0
+        assert mode["vs_noop"] > 0
+    assert result["modes"]["noop"]["vs_noop"] == 1.0
+    assert result["modes"]["noop"]["start_writes_sent"] == 0
+    table = Table()
+    runner.build_row_rows(table, {"build_row": result})
+    assert table.row_count == 3
