@@ -12,8 +12,10 @@ together. Nothing waits to fill a batch.
 Executors may report through their context instead of writing the build row
 themselves (issue #13): a finish then carries the reported status, which the same
 statement writes to the build row, and a start write (`JobContext.mark_building`)
-is queued here and rides on the next statement as well, whether or not a finish
-is waiting. So an executor's two build-row writes cost no round trip of their own.
+is queued here and, once `START_WRITE_DELAY` has passed, rides on the next
+statement as well (alone only when none is in flight); a report that comes first
+supersedes it. So an executor's two build-row writes cost no round trip of their
+own.
 
 A batch that fails is sent again under the retry policy (`RetryPolicy.final`):
 each finish is guarded by its claim, so one that landed on an earlier try is
@@ -27,10 +29,12 @@ import logging
 from collections.abc import Callable
 from uuid import UUID
 
+import trio
+
 from .errors import OutcomeUnknown
 from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore, Starting
 from .retry import RetryPolicy
-from .state import Finish, WorkerState
+from .state import START_WRITE_DELAY, Finish, WorkerState
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -59,23 +63,36 @@ class Completer:
         state = self.state
         if finish.report is not None and state.starts:
             # Its start write, not sent yet, is superseded by the report.
-            state.starts = [s for s in state.starts if s[0] is not finish.job]
+            state.starts = [s for s in state.starts if s[1][0] is not finish.job]
         self.state.finishes.append(finish)
         self.state.stats.finishing += 1
         self.state.kick()
 
     def start(self, job: ClaimedJob, build_id: UUID) -> None:
-        """A running executor asked for its build row to say 'building' (not awaited)."""
-        self.state.starts.append((job, build_id))
+        """
+        A running executor asked for its build row to say 'building' (not awaited):
+        sent with the first statement after `START_WRITE_DELAY`, unless the run's
+        report supersedes it first.
+        """
+        self.state.starts.append((trio.current_time() + START_WRITE_DELAY, (job, build_id)))
         self.state.kick()
 
     def take_batch(self) -> list[Finish]:
         batch, self.state.finishes = self.state.finishes, []
         return batch
 
-    def take_starts(self) -> list[Starting]:
-        starts, self.state.starts = self.state.starts, []
-        return starts
+    def starts_due(self, now: float) -> bool:
+        """Whether a start write waits to be sent (its delay is over)."""
+        return bool(self.state.starts) and self.state.starts[0][0] <= now
+
+    def take_starts(self, now: float = float("inf")) -> list[Starting]:
+        """The start writes due at `now` (all of them by default), for a statement."""
+        starts = self.state.starts
+        due = 0
+        while due < len(starts) and starts[due][0] <= now:
+            due += 1
+        self.state.starts = starts[due:]
+        return [start for _at, start in starts[:due]]
 
     async def send(self, batch: list[Finish], want: int,
                    starts: list[Starting] | None = None) -> list[ClaimedJob]:

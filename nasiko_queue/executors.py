@@ -114,16 +114,18 @@ class JobContext(Generic[P]):
         Ask for the build row to say 'building' (the original executors' first
         write), without waiting for it.
 
-        The write rides on the worker's next statement, batched with the other
-        slots' start writes and finishes: it costs no round trip, and is visible
-        once that statement commits, typically within a millisecond or two (one
-        statement in flight ahead of it), but not necessarily before this call's
-        next line. It changes only a row that is still 'queued' ('pending' for a
-        connector build), so it never overwrites 'success' or 'failed', however
-        late it lands; it is written even if the run then crashes, like the
-        original's first write. When the row must say 'building' before the
-        executor goes on (something else waits for it), write it through `db`
-        instead: one round trip. Calling it again in a run does nothing.
+        The write costs no round trip: it rides on the worker's next statement
+        once `START_WRITE_DELAY` (5 ms) has passed, batched with the other slots'
+        start writes and finishes (alone only when no statement is in flight). So
+        it is visible within a few milliseconds, not necessarily before this
+        call's next line; a run that reports within the delay never sends it (its
+        row goes from 'queued' to the outcome in one write). It changes only a row
+        that is still 'queued' ('pending' for a connector build), so it never
+        overwrites 'success' or 'failed', however late it lands; it is written
+        even if the run then crashes, as the original's first write was. When the
+        row must say 'building' before the executor goes on (something else waits
+        for it), write it through `db` instead: one round trip. Calling it again
+        in a run does nothing.
         """
         run = self._run
         if run.building:

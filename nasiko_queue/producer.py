@@ -71,27 +71,29 @@ class Producer:
     async def _produce(self, statements: trio.Nursery) -> None:
         state, ttl = self.state, self.config.prefetch_ttl
         in_flight = 1 if self.config.concurrency == 1 else STATEMENTS_IN_FLIGHT
+        completer = self.completer
         while True:
+            now = trio.current_time()
             free = state.in_flight < in_flight
-            expired = state.buffer and state.oldest_claim() + ttl <= trio.current_time()
+            expired = state.buffer and state.oldest_claim() + ttl <= now
+            starts = completer.starts_due(now)
             if state.lost_claims:
                 for claim in state.lost_claims:
                     statements.start_soon(self.resolve, claim)
                 state.lost_claims.clear()
             elif state.buffer and (state.closing or expired):
                 await self.give_back(expired=not state.closing)
-            elif (state.finishes or (state.starts and not state.in_flight)) and free:
-                # Start writes ride on whatever goes next; alone only when nothing
-                # is in flight (one that is will be answered soon, and the finish
-                # that follows a start often supersedes it).
+            elif (state.finishes or (starts and not state.in_flight)) and free:
+                # Start writes that are due ride on whatever goes next; alone only
+                # when nothing is in flight (what is will be answered soon).
                 want = state.claim_size()
-                statements.start_soon(self._send_finishes, self.completer.take_batch(), want,
-                                      self._begin(want), self.completer.take_starts())
+                statements.start_soon(self._send_finishes, completer.take_batch(), want,
+                                      self._begin(want), completer.take_starts(now))
             elif state.draining and free and state.claim_size():
                 want = state.claim_size()
-                if state.starts:  # the finish statement claims too, and carries them
+                if starts:  # the finish statement claims too, and carries them
                     statements.start_soon(self._send_finishes, [], want, self._begin(want),
-                                          self.completer.take_starts())
+                                          completer.take_starts(now))
                 else:
                     statements.start_soon(self._send_claim, want, self._begin(want))
             elif state.draining and state.fenced:
@@ -100,8 +102,10 @@ class Producer:
                     and not state.resolving:
                 return
             else:
-                await state.wait_kicked(state.oldest_claim() + ttl if state.buffer
-                                        else float("inf"))
+                wake_at = state.oldest_claim() + ttl if state.buffer else float("inf")
+                if state.starts and not starts:  # the next start write falls due
+                    wake_at = min(wake_at, state.starts[0][0])
+                await state.wait_kicked(wake_at)
 
     # -- statements --------------------------------------------------------------
 

@@ -25,6 +25,15 @@ from .jobs import BuildReport, ClaimedJob, LostClaim, Starting
 #: Statements the producer keeps in flight at once with several slots.
 STATEMENTS_IN_FLIGHT = 2
 
+#: Seconds a start write (`JobContext.mark_building`) waits before it is sent:
+#: a run that reports sooner supersedes it (its build row goes from 'queued' to
+#: its outcome in one write, as a reader polling it would most likely have seen
+#: anyway), and one that runs longer has it sent with the next statement. It
+#: keeps short runs from paying for a write nobody would see, and their start and
+#: report from meeting in two statements in flight (one waiting for the other's
+#: row lock). Against builds of minutes, invisible.
+START_WRITE_DELAY = 0.005
+
 
 def _stats_changed(stats: WorkerStats, attribute: attrs.Attribute[int], value: int) -> int:
     """attrs `on_setattr` hook: every change of a counter wakes `Worker.wait_for`."""
@@ -182,8 +191,9 @@ class WorkerState:
     #: Finishes handed over by the slots, for the producer's next statement.
     finishes: list[Finish] = attrs.Factory(list)
     #: Start writes asked for by running executors (`JobContext.mark_building`),
-    #: for the producer's next statement too.
-    starts: list[Starting] = attrs.Factory(list)
+    #: oldest first, each with the trio time from which it rides on the
+    #: producer's next statement (`START_WRITE_DELAY`).
+    starts: list[tuple[float, Starting]] = attrs.Factory(list)
     #: Claims whose answer was lost, waiting to be resolved; resolutions under way.
     lost_claims: list[LostClaim] = attrs.Factory(list)
     resolving: int = 0

@@ -318,6 +318,26 @@ async def test_a_start_write_lands_while_the_executor_runs(queue: Queue, kind: s
         assert await _completed_at_set(queue, job)
 
 
+async def test_a_start_write_superseded_by_the_runs_report_is_never_sent(
+    queue: Queue,
+) -> None:
+    """A run that reports before its start write was sent (here in the same step:
+    no checkpoint in between) has only its report written: no start write goes
+    out, and the row goes from 'queued' to 'success' in the finish's one write."""
+    job = await enqueue_with_target(queue, "Upload")
+
+    async def build(ctx: JobContext[Any]) -> None:
+        ctx.mark_building()
+        ctx.report_success()
+
+    async with running(queue, _executors(build)) as worker:
+        await worker.drain_once()
+        assert worker.stats.marked_building == 0
+    assert await build_state(queue.db, job.build_id) == "success"
+    job_xmin, build_xmin = await _xmins(queue, job)
+    assert job_xmin == build_xmin
+
+
 @pytest.mark.parametrize("later", ["success", "failed"])
 @pytest.mark.parametrize("kind", ["Upload", "McpServerUpload"])
 async def test_a_late_start_write_never_overwrites_an_outcome(
@@ -355,19 +375,23 @@ async def test_a_start_write_and_its_jobs_report_in_one_statement(queue: Queue) 
 
 
 async def test_a_start_write_asked_for_before_a_crash_still_lands(queue: Queue) -> None:
-    """As the original's first write: the build had started. The retry then
-    succeeds through its own report."""
+    """As the original's first write: the build had started. The retry (which may
+    begin before it is sent) then succeeds through its own report."""
     job = await enqueue_with_target(queue, "Upload")
     seen: list[str | None] = []
+    worker: Worker | None = None
 
     async def build(ctx: JobContext[Any]) -> None:
         if ctx.attempt == 1:
             ctx.mark_building()
             raise RuntimeError("crashed after starting")
+        assert worker is not None
+        await worker.wait_for(lambda s: s.marked_building >= 1)
         seen.append(await build_state(ctx.db, ctx.payload.build_id))
         ctx.report_success()
 
-    async with running(queue, _executors(build)) as worker:
+    async with running(queue, _executors(build)) as started:
+        worker = started
         await worker.drain_once()
     assert seen == ["building"]
     assert await build_state(queue.db, job.build_id) == "success"
