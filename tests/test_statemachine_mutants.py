@@ -23,6 +23,7 @@ from nasiko_queue._sql import Q
 from nasiko_queue.job_executor import JobExecutor
 from nasiko_queue.jobs import ClaimedJob, JobStore, PgJobStore, RecoveryResult
 from nasiko_queue.testing.machine import QueueStateMachine, profile, run_queue_state_machine
+from nasiko_queue.testing.model import Outcome
 
 #: The machine's default profile (`nasiko-ci`: 50 examples of up to 30 steps,
 #: derandomized): each planted bug must be found within the budget a user's own
@@ -205,13 +206,22 @@ async def test_finds_a_sweep_whose_threshold_is_in_the_wrong_unit(
 async def test_finds_a_finish_that_takes_any_status_but_failed_as_success(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Only a run that returns with its build row neither 'success' nor 'failed'
+    shows this bug, so the machine's executors play those outcomes (the default
+    examples, which follow the machine's source, may hold too few of them)."""
     monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(jobs_finish_many_and_claim=(
         "SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,\n"
         "        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,",
         "SET status = CASE WHEN o.build_status = 'failed' THEN 'failed' ELSE 'done' END,\n"
         "        error_msg = CASE WHEN o.build_status = 'failed' THEN $5 END,")))
-    notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
+    notes = await _expect_failure(dsn, _Unreported, shrink=False)
     assert "state.enqueue(" in notes, notes
+
+
+class _Unreported(QueueStateMachine):
+    """Runs that return without an outcome on their build row (or succeed)."""
+
+    outcomes = (Outcome.NO_REPORT, Outcome.REPORT_BUILDING)
 
 
 @pytest.mark.slow
@@ -223,7 +233,7 @@ async def test_finds_final_writes_that_do_not_check_the_claim_is_current(
     a worker whose claim was handed on overwrites its successor's."""
     statement, guard = {
         "finish": ("jobs_finish_many_and_claim",
-                   "WHERE j.id = o.id AND j.status = 'in_progress' AND j.attempt = o.attempt"),
+                   "AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt"),
         "fail": ("job_fail", "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
         "reset": ("job_reset_to_pending",
                   "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
@@ -312,3 +322,71 @@ class _BlockingWake(QueueStateMachine):
 async def test_finds_a_wake_that_blocks(dsn: str) -> None:
     notes = await _expect_failure(dsn, _BlockingWake, rule_timeout=1.0)
     assert "state.enqueue_burst()" in notes
+
+
+# -- folded build-row writes (issue #13) ----------------------------------------------
+# Every other job of the machine's scripted executors reports through its context
+# (`ScriptedWorld.via_ctx`), so the folded path meets every rule; each mutant breaks
+# that path alone.
+
+_FINISHES = ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds")
+
+
+def _in_both_finishes(old: str, new: str) -> Any:
+    return _mutated(**dict.fromkeys(_FINISHES, (old, new)))
+
+
+@pytest.mark.slow
+async def test_finds_a_folded_report_that_is_ignored(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finish drops what the executor reported: its build row is read as it
+    stands ('queued'), so a reported success ends failed and its row never says so."""
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _in_both_finishes(
+        "FROM input WHERE reported IN ('success', 'failed')",
+        "FROM input WHERE false AND reported IN ('success', 'failed')"))
+    notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
+    assert re.search(r"state\.(enqueue|enqueue_burst|drain)", notes), notes
+
+
+@pytest.mark.slow
+async def test_finds_a_folded_report_written_without_its_jobs_finish(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build row is written whether or not the job's finish landed: a stale
+    worker (its claim handed on) writes 'success' over a build another run owns."""
+    tied = ("b.status IN ('queued', 'building')\n"
+            "      AND EXISTS (SELECT 1 FROM finished AS f "
+            "WHERE f.build_id = r.build_id AND f.folded)")
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _in_both_finishes(
+        tied, "b.status IN ('queued', 'building')"))
+    notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
+    assert "state.stale_writer(" in notes, notes
+
+
+class _ConnectorsOnly(QueueStateMachine):
+    """The machine with McpServerUpload jobs alone: the default examples run few
+    connector jobs through an executor, and a connector build row lives in a table
+    of its own."""
+
+    kinds = ("McpServerUpload",)
+
+
+@pytest.mark.slow
+async def test_the_connector_machine_passes_on_the_real_engine(dsn: str) -> None:
+    """The control of the mutant below."""
+    await run_queue_state_machine(dsn, _ConnectorsOnly)
+
+
+@pytest.mark.slow
+async def test_finds_a_folded_report_written_for_the_wrong_build(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connector's report is written for the wrong build (the flag that says which
+    table holds its build row is read the wrong way round, so it looks for an agent
+    build): the job ends done while its connector build stays 'pending'."""
+    monkeypatch.setattr(nasiko_queue.jobs, "Q", _in_both_finishes(
+        "    WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')",
+        "    WHERE b.id = r.build_id AND NOT r.is_connector "
+        "AND b.status IN ('pending', 'building')"))
+    await _expect_failure(dsn, _ConnectorsOnly, shrink=False)

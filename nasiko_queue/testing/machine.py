@@ -11,7 +11,9 @@ shortest sequence of steps that breaks a rule.
 
 Use it on your own executors: they meet a scripted outside world
 (`ScriptedWorld`) that tells each run what to do, and must report through the
-build row as the built-in ones do::
+build row as the built-in ones do, by writing it or through their context
+(`ctx.report_success()`, ...; the built-in scripted executors do it the second way
+for every other job, and both ways must leave the same rows)::
 
     from nasiko_queue.testing.machine import QueueStateMachine, run_queue_state_machine
 
@@ -65,7 +67,7 @@ from .._sql import Q
 from ..config import QueueConfig
 from ..database import Database, open_database
 from ..executors import Executors, JobContext
-from ..jobs import MAINTENANCE_ROLE, JobStore, PgJobStore, WorkerIdentity
+from ..jobs import MAINTENANCE_ROLE, BuildReport, JobStore, PgJobStore, WorkerIdentity
 from ..payloads import BUILTIN_PAYLOAD_TYPES, Payload
 from ..queue import Queue
 from ..secrets import SecretBox
@@ -141,11 +143,16 @@ class ScriptedWorld:
 
     Executors call `begin(ctx)` at the start of every run; it records the run
     and returns what the outside world does this time. The built-in scripted
-    executors then write what a real executor would (`report`).
+    executors then write what a real executor would: the jobs in `via_ctx`
+    through their context (`report_through_ctx`: folded into the worker's own
+    statements, issue #13), the others by writing the build row (`report`). The
+    two ways must leave the same rows, so the model does not tell them apart.
     """
 
     def __init__(self) -> None:
         self.plans: dict[UUID, tuple[Outcome, ...]] = {}
+        #: Jobs whose executor reports through `ctx` instead of writing the row.
+        self.via_ctx: set[UUID] = set()
         self.runs: Counter[UUID] = Counter()
         self.hung = trio.Event()
         #: Set by the machine for one drain: ask for a graceful stop during run n.
@@ -189,6 +196,35 @@ class ScriptedWorld:
             if target_status is not None:
                 await ctx.db.execute(Q.agent_set_status, ctx.target.agent_id, target_status)
 
+    @staticmethod
+    async def report_through_ctx(ctx: JobContext[Any], build_status: str,
+                                 target_status: str | None = None) -> None:
+        """
+        As `report`, but the build row through the context: 'building' as a start
+        write (`ctx.mark_building()`), 'success' and 'failed' folded into the
+        job's finish (`ctx.report_success()`, `ctx.report_failure()`). The target
+        is written at once, as before.
+        """
+        if build_status == "building":
+            ctx.mark_building()
+        elif build_status == "success":
+            ctx.report_success()
+        elif build_status == "failed":
+            ctx.report_failure()
+        else:
+            raise ValueError(f"no context report for build status {build_status!r}")
+        if target_status is not None:
+            await ScriptedWorld._set_target(ctx, target_status)
+
+    @staticmethod
+    async def _set_target(ctx: JobContext[Any], status: str) -> None:
+        if ctx.target.connector_id is not None:
+            url = "http://mcp.local/mcp" if status == "running" else None
+            await ctx.db.execute(Q.connector_set_build_status, ctx.target.connector_id,
+                                 status, url)
+        else:
+            await ctx.db.execute(Q.agent_set_status, ctx.target.agent_id, status)
+
 
 def scripted_executors(
     world: ScriptedWorld, payload_types: Sequence[type[Payload]] = BUILTIN_PAYLOAD_TYPES
@@ -197,15 +233,16 @@ def scripted_executors(
 
     async def run(ctx: JobContext[Any]) -> None:
         outcome = world.begin(ctx)
+        report = world.report_through_ctx if ctx.job_id in world.via_ctx else world.report
         if outcome is Outcome.SUCCEED:
-            await world.report(ctx, "success", "running")
+            await report(ctx, "success", "running")
         elif outcome is Outcome.FAIL:
-            await world.report(ctx, "failed", "failed")
+            await report(ctx, "failed", "failed")
         elif outcome is Outcome.RAISE:
-            await world.report(ctx, "building")
+            await report(ctx, "building")
             raise SimulatedCrash(f"scripted crash on attempt {ctx.attempt}")
         elif outcome is Outcome.HANG:
-            await world.report(ctx, "building")
+            await report(ctx, "building")
             await world.hang()
         elif outcome is Outcome.DELETE_TARGET:
             if ctx.target.connector_id is not None:
@@ -215,9 +252,9 @@ def scripted_executors(
         elif outcome is Outcome.SOFT_DELETE:
             if ctx.target.agent_id is not None:
                 await ctx.db.execute(Q.agent_soft_delete, ctx.target.agent_id)
-            await world.report(ctx, "success", "running")
+            await report(ctx, "success", "running")
         elif outcome is Outcome.REPORT_BUILDING:
-            await world.report(ctx, "building")
+            await report(ctx, "building")
         # Outcome.NO_REPORT: return with the build row as it was.
 
     executors = Executors()
@@ -255,6 +292,9 @@ class QueueStateMachine(RuleBasedStateMachine):
 
     _env: ClassVar[_Env | None] = None
     kinds: ClassVar[tuple[str, ...]] = KINDS
+    #: Whether every other valid job's scripted executor reports through its
+    #: context (`ScriptedWorld.via_ctx`) rather than by writing the build row.
+    ctx_reports: ClassVar[bool] = True
     config: ClassVar[QueueConfig] = HARNESS_CONFIG
     outcomes: ClassVar[tuple[Outcome, ...] | None] = None
 
@@ -415,6 +455,8 @@ class QueueStateMachine(RuleBasedStateMachine):
                 await tx.execute(Q.job_set_attempt, job_id, stored_attempt)
         builds[build] = "pending" if connector else "queued"
         self.world.plans[job_id] = plan
+        if self.ctx_reports and len(self.enqueued) % 2 == 0:
+            self.world.via_ctx.add(job_id)  # every other job: no draw, same examples
         self._add(job_id, payload.kind, True, target, build, builds, connector, plan)
         self.model.jobs[job_id].attempt = stored_attempt
 
@@ -688,9 +730,13 @@ class QueueStateMachine(RuleBasedStateMachine):
             assert not self._call(store.heartbeat, None).alive
         build = job.build_id or uuid.uuid4()
         for claim in stale:
-            statuses = self._call(store.finish_many_and_claim, [(claim, build, None)], 0)[0]
-            assert statuses.get(claim.id) in (None, "failed"), (
-                f"a stale finish of {claim.id} reported {statuses.get(claim.id)}")
+            # Read from the build row, and with a report folded in (issue #13):
+            # the report must not land without its job's finish.
+            for report in (None, BuildReport.SUCCESS):
+                statuses = self._call(store.finish_many_and_claim, [(claim, build, report)],
+                                      0)[0]
+                assert statuses.get(claim.id) in (None, "failed"), (
+                    f"a stale finish of {claim.id} reported {statuses.get(claim.id)}")
             self._call(self._stale_fail, claim, build)
             self._call(store.reset, claim)
 
