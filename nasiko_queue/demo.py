@@ -46,7 +46,7 @@ from .migrate import migrate
 from .payloads import BUILTIN_PAYLOAD_TYPES, McpServerUpload, Payload, StandaloneBuild
 from .queue import Queue
 from .secrets import SecretBox, generate_master_key
-from .testing import enqueue_with_target, insert_agent, insert_agent_build, set_build_status
+from .testing import enqueue_with_target, insert_agent, insert_agent_build
 from .worker import Worker
 
 #: Seconds each simulated build step takes in the demo; tests pass 0.
@@ -310,7 +310,9 @@ class SimulatedWorld:
         return received
 
     async def _start(self, ctx: JobContext[Payload]) -> None:
-        await set_build_status(ctx.db, ctx.payload, "building")
+        # The build row through the context: written with the worker's next
+        # statement, no round trip of its own (the target's own row is ours to write).
+        ctx.mark_building()
         if ctx.target.connector_id is not None:
             await ctx.db.execute(Q.connector_set_build_status, ctx.target.connector_id,
                                  "building", None)
@@ -318,7 +320,11 @@ class SimulatedWorld:
             await ctx.db.execute(Q.agent_set_status, ctx.target.agent_id, "deploying")
 
     async def _finish(self, ctx: JobContext[Payload], *, success: bool) -> None:
-        await set_build_status(ctx.db, ctx.payload, "success" if success else "failed")
+        # Written by the statement that records the job's outcome, atomically with it.
+        if success:
+            ctx.report_success()
+        else:
+            ctx.report_failure()
         if ctx.target.connector_id is not None:
             if success:
                 url = f"http://mcp-{ctx.target.connector_id.hex[:8]}.demo:8080"
