@@ -450,14 +450,19 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 # alternate, three of each, so that the ratio compares runs a second or two apart,
 # not the start and the end of a noisy run; the old way runs once, on half the jobs.
 
-#: The order of the block's drains.
-BUILD_ROW_ORDER = ("noop", "folded", "direct", "noop", "folded", "noop", "folded")
+#: The order of the block's drains; then one of each with 10 ms of work per job,
+#: where the start writes go out (on a sixth of the jobs: 100 jobs/s per slot).
+BUILD_ROW_ORDER = ("noop", "folded", "direct", "noop", "folded", "noop", "folded",
+                   "noop_10ms", "folded_10ms")
 #: Their concurrency: the issue's target setting.
 BUILD_ROW_CONCURRENCY = 10
 
 
 def _build_row_jobs(s: Sizes, mode: str) -> int:
-    """The drain's jobs; half of them the old way, which runs at a third of the speed."""
+    """The drain's jobs; half of them the old way, which runs at a third of the speed,
+    and a sixth with 10 ms of work."""
+    if mode.endswith("_10ms"):
+        return max(10, s.drain_jobs // 6)
     return s.drain_jobs // 2 if mode == "direct" else s.drain_jobs
 
 
@@ -474,11 +479,12 @@ def build_row_result(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
     for i, mode in enumerate(BUILD_ROW_ORDER):
         runs.setdefault(mode, []).append(raw[f"build row {i} {mode}"])
     mean = {mode: sum(r["jobs_per_s"] for r in rs) / len(rs) for mode, rs in runs.items()}
+    base = {mode: mean["noop_10ms" if mode.endswith("_10ms") else "noop"] for mode in mean}
     plain = raw.get(_drain_step(BUILD_ROW_CONCURRENCY, 0))
     return {
         "concurrency": BUILD_ROW_CONCURRENCY,
         "modes": {
-            mode: {"jobs_per_s": mean[mode], "vs_noop": mean[mode] / mean["noop"],
+            mode: {"jobs_per_s": mean[mode], "vs_noop": mean[mode] / base[mode],
                    "jobs": _build_row_jobs(s, mode),
                    "runs": [r["jobs_per_s"] for r in rs],
                    "jobs_per_statement": sum(r["jobs"] for r in rs)
@@ -496,11 +502,14 @@ def build_row_rows(t: Table, result: dict[str, Any]) -> None:
         return
     labels = {"noop": "no build-row writes (rows prepared 'success')",
               "folded": "start + end through ctx (folded)",
-              "direct": "start + end by ctx.db.execute (the old way)"}
-    for mode in ("noop", "folded", "direct"):
+              "direct": "start + end by ctx.db.execute (the old way)",
+              "noop_10ms": "10 ms of work, no build-row writes",
+              "folded_10ms": "10 ms of work, start + end through ctx"}
+    for mode, label in labels.items():
         m = b["modes"][mode]
         t.add_row("drain, executor writes its build row",
-                  f"c={b['concurrency']}: {labels[mode]}",
-                  f"{m['jobs_per_s']:,.0f} jobs/s ({m['jobs_per_statement']:.1f} jobs/statement)",
-                  f"{m['vs_noop']:.2f}x no-op c={b['concurrency']} (runs: "
+                  f"c={b['concurrency']}: {label}",
+                  f"{m['jobs_per_s']:,.0f} jobs/s ({m['jobs_per_statement']:.1f} jobs/statement"
+                  f", {m['start_writes_sent']} start writes sent)",
+                  f"{m['vs_noop']:.2f}x no-op (runs: "
                   + ", ".join(f"{x:,.0f}" for x in m["runs"]) + ")")

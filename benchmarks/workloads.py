@@ -977,8 +977,10 @@ __all__ = ["Q", "ceiling_prepare", "claim_flat", "drain", "enqueue", "history", 
 # (two `ctx.db.execute` writes of its own), or none (the no-op drain, beside them
 # in the same run, for the ratio).
 
-#: The executors of `drain_build_row`, by mode.
-BUILD_ROW_MODES = ("noop", "folded", "direct")
+#: The executors of `drain_build_row`, by mode; the `_10ms` ones spend 10 ms on
+#: the build between the two writes (a trio sleep), so that the start write goes
+#: out before the report instead of being superseded by it.
+BUILD_ROW_MODES = ("noop", "folded", "direct", "noop_10ms", "folded_10ms")
 
 
 def _prepare_queued_jobs(dsn: str, n: int) -> None:
@@ -1010,7 +1012,13 @@ def _build_row_executors(mode: str) -> Executors:
 
     @ex.register(Upload)
     async def build(ctx: JobContext[Upload]) -> None:
-        if mode == "folded":
+        if mode.endswith("_10ms"):
+            if mode == "folded_10ms":
+                ctx.mark_building()
+            await trio.sleep(0.01)
+            if mode == "folded_10ms":
+                ctx.report_success()
+        elif mode == "folded":
             ctx.mark_building()
             # The build's work, however short: the start write may go out meanwhile.
             await trio.lowlevel.checkpoint()
@@ -1026,12 +1034,12 @@ def drain_build_row(dsn: str, n_jobs: int, concurrency: int, mode: str) -> dict[
     """
     One in-process worker (default settings but `concurrency`) drains `n_jobs` jobs
     whose executor writes its build row as `mode` says (`BUILD_ROW_MODES`); jobs/s.
-    "noop" prepares the rows 'success' already, as the plain drain does.
+    The no-op modes prepare the rows 'success' already, as the plain drain does.
     """
     if mode not in BUILD_ROW_MODES:
         raise ValueError(f"mode {mode!r}: one of {BUILD_ROW_MODES}")
     reset(dsn)
-    if mode == "noop":
+    if mode.startswith("noop"):
         prepare_jobs(dsn, n_jobs)
     else:
         _prepare_queued_jobs(dsn, n_jobs)

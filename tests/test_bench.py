@@ -88,12 +88,14 @@ async def test_the_build_row_drains_run_and_are_shown_beside_the_no_op_drain(dsn
     for name, step in runner.build_row_steps(sizes, dsn):
         raw[name] = await trio.to_thread.run_sync(step)
     result = runner.build_row_result(raw, sizes)
-    assert set(result["modes"]) == {"noop", "folded", "direct"}
+    assert set(result["modes"]) == {"noop", "folded", "direct", "noop_10ms", "folded_10ms"}
     for mode in result["modes"].values():
         assert mode["jobs_per_s"] > 0
         assert mode["vs_noop"] > 0
-    assert result["modes"]["noop"]["vs_noop"] == 1.0
+    assert result["modes"]["noop"]["vs_noop"] == result["modes"]["noop_10ms"]["vs_noop"] == 1.0
     assert result["modes"]["noop"]["start_writes_sent"] == 0
+    # With 10 ms of work the start writes go out before their reports.
+    assert result["modes"]["folded_10ms"]["start_writes_sent"] > 0
     table = Table()
     runner.build_row_rows(table, {"build_row": result})
-    assert table.row_count == 3
+    assert table.row_count == 5
