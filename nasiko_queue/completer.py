@@ -64,9 +64,9 @@ class Completer:
         if finish.report is not None and state.starts:
             # Its start write, not sent yet, is superseded by the report.
             state.starts = [s for s in state.starts if s[1][0] is not finish.job]
-        self.state.finishes.append(finish)
-        self.state.stats.finishing += 1
-        self.state.kick()
+        state.finishes.append(finish)
+        state.stats.finishing += 1
+        state.kick()
 
     def start(self, job: ClaimedJob, build_id: UUID) -> None:
         """

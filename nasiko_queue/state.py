@@ -28,10 +28,10 @@ STATEMENTS_IN_FLIGHT = 2
 #: Seconds a start write (`JobContext.mark_building`) waits before it is sent:
 #: a run that reports sooner supersedes it (its build row goes from 'queued' to
 #: its outcome in one write, as a reader polling it would most likely have seen
-#: anyway), and one that runs longer has it sent with the next statement. It
-#: keeps short runs from paying for a write nobody would see, and their start and
-#: report from meeting in two statements in flight (one waiting for the other's
-#: row lock). Against builds of minutes, invisible.
+#: anyway), and one that runs longer has it sent with the next statement. So
+#: short runs pay for no write nobody would see, and their start and report
+#: seldom meet in two statements in flight (one waiting for the other's row
+#: lock). Against builds of minutes, invisible.
 START_WRITE_DELAY = 0.005
 
 
