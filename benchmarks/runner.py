@@ -327,7 +327,8 @@ def table(result: dict[str, Any]) -> Table:
         if d.get("prefetch"):
             setting += f", prefetch {d['prefetch']}"
         t.add_row("drain", setting, f"{d['jobs_per_s']:,.0f} jobs/s "
-                  f"({d['jobs_per_statement']:.1f} jobs/statement)", _r(d["ratios"]))
+                  f"({d['jobs_per_statement']:.1f} jobs/statement, "
+                  f"{d['cpu_us_per_job']:.0f} µs CPU/job)", _r(d["ratios"]))
     e = result["enqueue"]
     t.add_row("enqueue", "1 job per call", f"{e['single_jobs_per_s']:,.0f} jobs/s",
               _r(e["ratios_single"]))

@@ -35,6 +35,7 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
     assert [(d["concurrency"], d["prefetch"]) for d in data["drain"]] == list(
         runner.TINY.drain_settings)
     assert all(d["jobs_per_s"] > 0 and d["ratios"]["vs_a8"] > 0 for d in data["drain"])
+    assert all(d["cpu_us_per_job"] > 0 for d in data["drain"])
     assert data["enqueue"]["single_jobs_per_s"] > 0
     assert data["enqueue"]["batch_jobs_per_s"] > 0
     in_process = data["latency"]["in_process"]
