@@ -150,16 +150,50 @@ class Queries:
     build_queue_counts: str
 
 
+#: A statement written as another with a different claim: its first line names the
+#: base, and its body (after its comments) is the pending-ids subquery to use.
+_DERIVED = re.compile(r"\A-- derived from (\w+): its pending ids are these instead\.\n")
+#: The pending-ids subquery of a base statement, between these two comment lines.
+_PENDING_IDS = re.compile(r"(-- pending ids:\n)(.*?)(\s*-- end of pending ids\n)", re.DOTALL)
+
+
 def parse(text: str) -> dict[str, str]:
-    """Split a named-query file into {name: statement}, comments kept, ';' dropped."""
+    """
+    Split a named-query file into {name: statement}, comments kept, ';' dropped.
+
+    A statement whose first line is ``-- derived from BASE: its pending ids are
+    these instead.`` is BASE with the subquery between BASE's ``-- pending ids:``
+    and ``-- end of pending ids`` lines replaced by its own body: the two
+    finish-and-claim statements share every line but their claim's.
+    """
     parts = _NAME.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     out: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in out:
             raise ValueError(f"queries.sql: statement {name!r} is defined twice")
-        out[name] = body.strip().rstrip(";").strip()
+        body = body.strip().rstrip(";").strip()
+        derived = _DERIVED.match(body + "\n")
+        if derived:
+            out[name] = _derive(name, derived.group(1), body, out)
+        else:
+            out[name] = body
     return out
+
+
+def _derive(name: str, base_name: str, body: str, parsed: dict[str, str]) -> str:
+    base = parsed.get(base_name)
+    if base is None:
+        raise ValueError(f"queries.sql: {name!r} is derived from {base_name!r}, "
+                         "which must come before it")
+    lines = body.splitlines()
+    comments = [line for line in lines if line.startswith("--")]
+    # Its comments go first, the base's text follows with the new subquery in it.
+    subquery = "\n".join(lines[len(comments):]).strip("\n")
+    if len(_PENDING_IDS.findall(base)) != 1:
+        raise ValueError(f"queries.sql: {base_name!r} has no single pending-ids block")
+    derived = _PENDING_IDS.sub(lambda m: m.group(1) + subquery + m.group(3), base)
+    return "\n".join(comments[1:]) + "\n" + derived
 
 
 def load() -> Queries:

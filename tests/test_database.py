@@ -279,3 +279,23 @@ async def test_every_named_statement_is_valid_sql_for_the_schema(db: Database) -
         return bad
 
     assert await db.run(prepare_all) == []
+
+
+def test_the_kinds_finish_statement_is_the_base_with_its_claim_replaced() -> None:
+    """`jobs_finish_many_and_claim_kinds` is written in queries.sql as its claim
+    alone; the loader builds the rest from `jobs_finish_many_and_claim`, so that the
+    two cannot drift (a fix to the finish once had to be made twice)."""
+    import re
+
+    from nasiko_queue._sql import Q, parse
+
+    def without_claim(text: str) -> str:
+        text = re.sub(r"-- pending ids:\n.*?-- end of pending ids\n", "", text, flags=re.S)
+        return "\n".join(line for line in text.splitlines() if not line.startswith("--"))
+
+    base, kinds = Q.jobs_finish_many_and_claim, Q.jobs_finish_many_and_claim_kinds
+    assert without_claim(base) == without_claim(kinds)
+    assert "WITH RECURSIVE present" in kinds
+    assert "WITH RECURSIVE present" not in base
+    with pytest.raises(ValueError, match="must come before it"):
+        parse("-- name: b\n-- derived from a: its pending ids are these instead.\nSELECT 1;\n")

@@ -570,6 +570,7 @@ WITH input AS (
     SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
         claimed_by = $11
     WHERE j.id = ANY (ARRAY(  -- as in job_claim
+        -- pending ids:
         SELECT id
         FROM build_jobs
         WHERE status = 'pending'
@@ -577,7 +578,9 @@ WITH input AS (
                OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
         ORDER BY created_at
         LIMIT $6
-        FOR UPDATE SKIP LOCKED))
+        FOR UPDATE SKIP LOCKED
+        -- end of pending ids
+        ))
     RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
               CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
               j.attempt - 1 AS old_attempt, j.created_at,
@@ -599,125 +602,11 @@ SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.ol
 FROM claimed AS c;
 
 -- name: jobs_finish_many_and_claim_kinds
+-- derived from jobs_finish_many_and_claim: its pending ids are these instead.
 -- `jobs_finish_many_and_claim` for a replica that runs only some of the known
 -- kinds: its claim is `job_claim_kinds`'s (the same arguments, the same result).
---
--- Finish jobs and claim what their slots (and the prefetch buffer) have room
--- for, in one round trip: the worker's fetcher sends it with every finish queued
--- since its previous statement. Finish every job of the batch
--- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
--- claim up to $6 next jobs ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with
--- finished_id set report a finish (finished_status: what the row holds for
--- that attempt now, NULL when gone or no longer ours; a retried batch thus
--- reports what its first try wrote); rows with id set are claimed jobs.
--- $12, one per row of $1, is what the executor reported through its context
--- (issue #13: its build-row writes folded into this statement): NULL, nothing (the
--- build row decides as it stands); 'success' or 'failed', a finish that also writes
--- the build row, atomically with the job's done or failed (a connector build's
--- completed_at too), unless that row is already 'success' or 'failed' (then it
--- stays, and decides); 'building', no finish at all but a start write
--- (`JobContext.mark_building`): the build row goes from 'queued' ('pending' for a
--- connector) to 'building', and from nothing else.
-WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::text[])
-        AS i(id, attempt, is_connector, build_id, reported)
-), report AS (
-    -- The folded writes, one per build row: two runs reporting on one row in one
-    -- statement (two jobs of one build) agree on one status, the failure.
-    SELECT build_id, is_connector, min(reported) AS reported
-    FROM input WHERE reported IN ('success', 'failed')
-    GROUP BY build_id, is_connector
-), agent_locked AS MATERIALIZED (
-    -- Every build row this statement writes (folded reports, start writes), locked
-    -- in id order before any job row: a terminalization locks the builds before its
-    -- agent's delete cascades to the jobs, so the other order could deadlock with it.
-    SELECT b.id, false AS is_connector, b.status::text AS status
-    FROM agent_builds AS b
-    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input
-                            WHERE reported IS NOT NULL AND NOT is_connector))
-    ORDER BY b.id
-    FOR UPDATE
-), connector_locked AS MATERIALIZED (
-    SELECT b.id, true AS is_connector, b.status
-    FROM mcp_connector_builds AS b
-    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input WHERE reported IS NOT NULL AND is_connector))
-    ORDER BY b.id
-    FOR UPDATE
-), locked AS (
-    SELECT * FROM agent_locked UNION ALL SELECT * FROM connector_locked
-), outcome AS (
-    -- What decides each finish: the build row as it stands, or, for a folded
-    -- report, the reported status, unless the (locked) row is already 'success' or
-    -- 'failed' (then it decides, and is left as it is) or missing (failed).
-    SELECT i.id, i.attempt, i.build_id, i.reported IS NOT NULL AS folded,
-           CASE WHEN i.reported IS NOT NULL
-                THEN (SELECT CASE WHEN l.status IN ('success', 'failed') THEN l.status
-                                  ELSE r.reported END
-                      FROM report AS r JOIN locked AS l
-                           ON l.id = r.build_id AND l.is_connector = r.is_connector
-                      WHERE r.build_id = i.build_id AND r.is_connector = i.is_connector)
-                WHEN i.is_connector
-                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
-                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
-           END AS build_status
-    FROM input AS i
-    WHERE i.reported IS DISTINCT FROM 'building'
-), finished AS (
-    UPDATE build_jobs AS j
-    SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
-        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
-        completed_at = now()
-    FROM outcome AS o
-    -- A primary-key probe per finished job: the status test is written so that no
-    -- index on status matches it, or the plan (generic ones most of all, which
-    -- take in_progress for rare) reads every in_progress row of every worker.
-    WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
-      AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
-      -- The build rows first, in id order, whichever writer of this statement runs
-      -- first (a data-modifying CTE the main query does not read runs at its end, in
-      -- no promised order): a one-time filter over `locked`, on every writer.
-      AND (SELECT count(*) FROM locked) >= 0
-    RETURNING j.id, j.status, o.build_id, o.folded
-), folded_agent AS (
-    -- A folded report lands with its job's finish, or not at all (claim no
-    -- longer current, job gone), and never over a 'success' or 'failed' row.
-    UPDATE agent_builds AS b
-    SET status = r.reported::build_status
-    FROM report AS r
-    WHERE b.id = r.build_id AND NOT r.is_connector AND b.status IN ('queued', 'building')
-      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
-      AND (SELECT count(*) FROM locked) >= 0
-), folded_connector AS (
-    UPDATE mcp_connector_builds AS b
-    SET status = r.reported, completed_at = now()
-    FROM report AS r
-    WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')
-      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
-      AND (SELECT count(*) FROM locked) >= 0
-), started_agent AS (
-    -- Start writes: 'building' over 'queued' only, so never over a later outcome;
-    -- a row this statement also reports on gets the report alone.
-    UPDATE agent_builds AS b
-    SET status = 'building'
-    FROM input AS i
-    WHERE i.reported = 'building' AND NOT i.is_connector AND b.id = i.build_id
-      AND b.status = 'queued'
-      AND NOT EXISTS (SELECT 1 FROM report AS r
-                      WHERE r.build_id = i.build_id AND NOT r.is_connector)
-      AND (SELECT count(*) FROM locked) >= 0
-), started_connector AS (
-    UPDATE mcp_connector_builds AS b
-    SET status = 'building'
-    FROM input AS i
-    WHERE i.reported = 'building' AND i.is_connector AND b.id = i.build_id
-      AND b.status = 'pending'
-      AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
-      AND (SELECT count(*) FROM locked) >= 0
-), claimed AS (
-    UPDATE build_jobs AS j
-    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
-        claimed_by = $11
-    WHERE j.id = ANY (ARRAY(  -- as in job_claim_kinds
+-- The loader (`_sql.py`) writes the statement out: everything but the pending
+-- ids is the base statement's, so that a fix to the finish lands in both.
         WITH RECURSIVE present AS (
             (SELECT left(coalesce(payload ->> 'kind', ''), 100) AS kind FROM build_jobs
              WHERE status = 'pending'
@@ -740,26 +629,7 @@ WITH input AS (
             ORDER BY created_at LIMIT $6
             FOR UPDATE SKIP LOCKED) AS p
         ORDER BY p.created_at
-        LIMIT $6))
-    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
-              CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
-              j.attempt - 1 AS old_attempt, j.created_at,
-              coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a
-                        WHERE a.id = j.agent_id), false) AS target_soft_deleted
-)
-SELECT i.id AS finished_id,
-       coalesce(f.status, (SELECT c.status FROM build_jobs AS c
-                           WHERE c.id = i.id AND c.attempt = i.attempt
-                             AND c.status IN ('done', 'failed'))) AS finished_status,
-       NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
-       NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
-       NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
-FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
-WHERE i.reported IS DISTINCT FROM 'building'
-UNION ALL
-SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
-       c.created_at, c.target_soft_deleted
-FROM claimed AS c;
+        LIMIT $6;
 
 -- name: jobs_unclaim
 -- Give back jobs that were claimed but never started (prefetched, or claimed
