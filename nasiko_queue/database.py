@@ -248,10 +248,20 @@ class Database:
     async def _run_on(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
         return await self._cross(self._pooled(pool, op))
 
-    async def _pooled(self, pool: asyncpg.Pool, op: Operation[T]) -> T:
-        """`op(conn)` with a connection of `pool`, on the asyncio side."""
-        conn = await pool.acquire(timeout=self.config.connect_timeout)
+    async def _pooled(self, pool: asyncpg.Pool, op: Operation[T], *,
+                      patience: float | None = None, flight: _Flight | None = None) -> T:
+        """
+        `op(conn)` with a connection of `pool`, on the asyncio side, waiting
+        `patience` seconds for one (default `connect_timeout`); with `flight`, as
+        one of `run_bounded`'s operations (sent only if the trio side still waits).
+        """
+        conn = await pool.acquire(
+            timeout=self.config.connect_timeout if patience is None else patience)
         try:
+            if flight is not None:
+                if flight.abandoned:  # the trio side gave up while we waited
+                    raise _Abandoned()
+                flight.backend_pid = conn.get_server_pid()
             return await op(conn)
         except _BROKEN_CONNECTION:
             # The connection itself failed (dropped, or left in a state asyncpg
@@ -366,17 +376,8 @@ class Database:
             pool = self._control_pool if control else self._pool
 
             async def on_asyncio() -> T:
-                conn = await pool.acquire(timeout=min(bound, self.config.connect_timeout))
-                try:
-                    if flight.abandoned:  # the trio side gave up while we waited
-                        raise _Abandoned()
-                    flight.backend_pid = conn.get_server_pid()
-                    return await op(conn)
-                except _BROKEN_CONNECTION:
-                    conn.terminate()
-                    raise
-                finally:
-                    await self._release_after_use(pool, conn)
+                return await self._pooled(pool, op, flight=flight,
+                                          patience=min(bound, self.config.connect_timeout))
 
         task = self._loop.create_task(on_asyncio())
         answered = trio.Event()

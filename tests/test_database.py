@@ -18,6 +18,22 @@ from .conftest import FAST
 from .helpers import LogEvent, executors_for_all, job_row, running, succeed
 
 
+async def generic_plan(db: Database, statement: str, types: str, args: str) -> str:
+    """EXPLAIN of `statement`'s generic plan, as the engine's connections run it
+    (prepared with `types`, executed with the SQL expressions `args`)."""
+
+    async def explain(conn: Any) -> list[str]:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(f"PREPARE nq_plan_check({types}) AS {statement}")
+            try:
+                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
+            finally:
+                await conn.execute("DEALLOCATE nq_plan_check")
+
+    return "\n".join(await db.run(explain))
+
+
 def _pool_stats(db: Database) -> tuple[int, int]:
     pool = db._pool
     return pool.get_size(), pool.get_idle_size()
@@ -171,16 +187,7 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     }
     types, args = calls[name]
 
-    async def explain(conn: Any) -> list[str]:
-        async with conn.transaction():
-            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            await conn.execute(f"PREPARE nq_plan_check({types}) AS {getattr(Q, name)}")
-            try:
-                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
-            finally:
-                await conn.execute("DEALLOCATE nq_plan_check")
-
-    plan = "\n".join(await queue.db.run(explain))
+    plan = await generic_plan(queue.db, getattr(Q, name), types, args)
     assert "build_jobs" in plan
     assert "Seq Scan on build_jobs" not in plan, plan
 
@@ -214,16 +221,7 @@ async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
     args = (f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
             "gen_random_uuid(), gen_random_uuid(), ARRAY['success']")
 
-    async def explain(conn: Any) -> list[str]:
-        async with conn.transaction():
-            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            await conn.execute(f"PREPARE nq_plan_check({types}) AS {getattr(Q, name)}")
-            try:
-                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
-            finally:
-                await conn.execute("DEALLOCATE nq_plan_check")
-
-    plan = "\n".join(await queue.db.run(explain))
+    plan = await generic_plan(queue.db, getattr(Q, name), types, args)
     assert "status = 'in_progress'" not in plan, plan
     assert "build_jobs_pkey" in plan, plan
 
@@ -246,17 +244,7 @@ async def test_the_plain_finish_probes_its_jobs_by_primary_key(queue: Queue) -> 
     types = "uuid[], int[], text, int, uuid, uuid, int"
     args = "ARRAY[gen_random_uuid()], ARRAY[1], 'default', 10, gen_random_uuid(), NULL, 1000"
 
-    async def explain(conn: Any) -> list[str]:
-        async with conn.transaction():
-            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            await conn.execute(
-                f"PREPARE nq_plan_check({types}) AS {Q.plain_finish_many_and_claim}")
-            try:
-                return [r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE nq_plan_check({args})")]
-            finally:
-                await conn.execute("DEALLOCATE nq_plan_check")
-
-    plan = "\n".join(await queue.db.run(explain))
+    plan = await generic_plan(queue.db, Q.plain_finish_many_and_claim, types, args)
     assert "nasiko_queue_jobs_running" not in plan, plan
     assert "nasiko_queue_jobs_pkey" in plan, plan
 
