@@ -67,7 +67,9 @@ def _plant(monkeypatch: pytest.MonkeyPatch, module: ModuleType, **changes: tuple
     monkeypatch.setattr(module, "Q", _mutated(**changes))
 
 
-ORDER = ("ORDER BY priority, run_at, id", "ORDER BY run_at, id")
+#: Each priority's scan of the claim takes every less urgent one's due jobs too, in
+#: due order: the job due first wins, whatever its priority.
+ORDER = ("AND priority = priorities.priority", "AND priority >= priorities.priority")
 DUE = ("AND run_at <= now()", "")
 
 MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
