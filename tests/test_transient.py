@@ -126,15 +126,29 @@ async def test_a_lock_timeout_while_failing_a_job_is_waited_out_not_taken_as_a_r
         timed = Queue(db, config=attrs.evolve(queue.config, terminalize_tries=2),
                       secrets=queue.secrets)
         with LogEvent("LockNotAvailableError") as waits:
-            async with running(timed, executors_for_all(succeed)) as worker, \
-                    trio.open_nursery() as nursery, _aio_locked(dsn, "agents", job.target_id):
-                nursery.start_soon(worker.drain_once)
-                while waits.count < 4:  # twice terminalize_tries
-                    await waits.event.wait()
-                    waits.event = trio.Event()
-                row = await job_row(queue.db, job.job_id)
-                assert row is not None
-                assert row["status"] == "in_progress"  # not failed alone
+            # Locked before the worker starts (its first drain may claim the job at
+            # once, and would fail it unhindered), released before the nursery
+            # waits for the drain (which ends only once the job could be failed).
+            locked = _aio_locked(dsn, "agents", job.target_id)
+            await locked.__aenter__()
+            held = True
+            try:
+                async with running(timed, executors_for_all(succeed)) as worker, \
+                        trio.open_nursery() as nursery:
+                    nursery.start_soon(worker.drain_once)
+                    try:
+                        while waits.count < 4:  # twice terminalize_tries
+                            await waits.event.wait()
+                            waits.event = trio.Event()
+                        row = await job_row(queue.db, job.job_id)
+                        assert row is not None
+                        assert row["status"] == "in_progress"  # not failed alone
+                    finally:
+                        held = False
+                        await locked.__aexit__(None, None, None)
+            finally:
+                if held:
+                    await locked.__aexit__(None, None, None)
     row = await job_row(queue.db, job.job_id)
     assert row is not None
     assert (row["status"], row["error_msg"]) == ("failed", MAX_ATTEMPTS_EXCEEDED)
