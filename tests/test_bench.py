@@ -7,6 +7,7 @@ figures; it never asserts a speed (benchmarks/README.md says why).
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,16 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
         runner.TINY.drain_settings)
     assert all(d["jobs_per_s"] > 0 and d["ratios"]["vs_a8"] > 0 for d in data["drain"])
     assert all(d["cpu_us_per_job"] > 0 for d in data["drain"])
+    # Ceiling a is measured first and again after every drain; the ratios use
+    # the median of those samples.
+    for key in ("a_1conn", "a_8conn"):
+        samples = ceilings[f"{key}_samples"]
+        assert len(samples) == 1 + len(runner.TINY.drain_settings)
+        assert ceilings[f"{key}_jobs_per_s"] == statistics.median(samples)
+        assert [d["ceiling_a"][f"{key}_jobs_per_s"] for d in data["drain"]] == samples[1:]
+    for d in data["drain"]:
+        assert d["ratios"]["vs_a8"] == d["jobs_per_s"] / ceilings["a_8conn_jobs_per_s"]
+        assert d["ratios"]["vs_a1"] == d["jobs_per_s"] / ceilings["a_1conn_jobs_per_s"]
     assert data["enqueue"]["single_jobs_per_s"] > 0
     assert data["enqueue"]["batch_jobs_per_s"] > 0
     in_process = data["latency"]["in_process"]
