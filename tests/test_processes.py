@@ -53,6 +53,10 @@ pytestmark = pytest.mark.slow
 SHORT_LEASES = ("--heartbeat-interval", "0.2", "--lease", "1", "--rescue-interval", "0.1")
 
 
+#: The leader's rescue round, with the number of jobs it failed for good.
+_RESCUE_LINE = r"rescue: \d+ job\(s\) of dead workers back to pending, (\d+) failed for good"
+
+
 def _logged_counts(worker: WorkerProcess, pattern: str) -> int:
     """The sum of the first number of every log line of `worker` that matches `pattern`."""
     return sum(int(m.group(1)) for m in re.finditer(pattern, worker.log_text()))
@@ -287,8 +291,12 @@ async def test_job_killed_at_every_attempt_fails_max_attempts_and_terminalizes(
         (last,) = await procs.start_all(1, *SHORT_LEASES, prefix="last")
 
         async def terminal() -> bool:
+            # The rescue round's log line, not only the rows: the round fails the
+            # jobs first and logs after its last statements, so a stop sent as
+            # soon as the rows are failed could cancel the round before its line.
             return await db.fetchval(
-                "SELECT count(*) FROM build_jobs WHERE status = 'in_progress'") == 0
+                "SELECT count(*) FROM build_jobs WHERE status = 'in_progress'") == 0 \
+                and _logged_counts(last, _RESCUE_LINE) == 3
 
         await wait_until("the rescue to fail the exhausted jobs", terminal, alive=[last])
         last.signal(signal.SIGTERM)
@@ -314,8 +322,7 @@ async def test_job_killed_at_every_attempt_fails_max_attempts_and_terminalizes(
     for job in ids:  # exactly three runs each, one per killed worker, none after
         assert [(r.attempt, r.replica, r.finished) for r in runs[job]] == [
             (1, killed[0], False), (2, killed[1], False), (3, killed[2], False)]
-    assert _logged_counts(last, r"rescue: \d+ job\(s\) of dead workers back to pending, "
-                                r"(\d+) failed for good") == 3
+    assert _logged_counts(last, _RESCUE_LINE) == 3
 
 
 # -- shutdown --------------------------------------------------------------------------------
