@@ -103,12 +103,12 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
                     "jobs_per_s": ceilings.same_sql(dsn, s.ceiling_jobs, k, streams)}
         return go
 
-    steps += [
-        ("ceiling a, 1 conn", ceiling(lambda: ceilings.one_per_transaction(
-            dsn, s.ceiling_jobs, 1))),
-        ("ceiling a, 8 conns", ceiling(lambda: ceilings.one_per_transaction(
-            dsn, s.ceiling_jobs, 8))),
-    ]
+    def ceiling_a(suffix: str = "") -> list[tuple[str, Callable[[], Any]]]:
+        return [(f"ceiling a, {n} conn{'s' if n > 1 else ''}{suffix}",
+                 ceiling(lambda n=n: ceilings.one_per_transaction(dsn, s.ceiling_jobs, n)))
+                for n in (1, 8)]
+
+    steps += ceiling_a()
     for c, p in s.drain_settings:
         name = _drain_step(c, p)
         steps.append((name, lambda c=c, p=p: workloads.drain(dsn, s.drain_jobs, c, p)))
@@ -117,12 +117,7 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
         # spread over the run (one sample at the start gave a8 1,649-3,097 jobs/s
         # in three runs of one hour, while the drains moved a third as much).
         steps.append((f"ceiling b, {name}", ceiling_b(name)))
-        steps += [
-            (f"ceiling a, 1 conn, {name}", ceiling(lambda: ceilings.one_per_transaction(
-                dsn, s.ceiling_jobs, 1))),
-            (f"ceiling a, 8 conns, {name}", ceiling(lambda: ceilings.one_per_transaction(
-                dsn, s.ceiling_jobs, 8))),
-        ]
+        steps += ceiling_a(f", {name}")
     steps.append(("enqueue", lambda: workloads.enqueue(dsn, s.enqueue_jobs)))
     steps.append(("latency", lambda: workloads.latency(dsn, s.latency_jobs, s.latency_rate)))
     for h in s.history_rows:
