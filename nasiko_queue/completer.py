@@ -34,7 +34,7 @@ import trio
 from .errors import OutcomeUnknown
 from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore, Starting
 from .retry import RetryPolicy
-from .state import START_WRITE_DELAY, Finish, WorkerState
+from .state import START_WRITE_DELAY, Finish, LaneState
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -44,14 +44,14 @@ class Completer:
     Queues finishes and sends them, with the producer's claim, as one statement.
 
     Args:
-        state: the worker's shared state (`finishes`, the counters).
+        state: the lane's state (`finishes`; the counters).
         store: the database operations.
         retry: the retry policy of final updates.
         on_lost_claim: called with a claim whose answer was lost (the producer
             gives back what it took).
     """
 
-    def __init__(self, state: WorkerState, store: LaneStore, retry: RetryPolicy,
+    def __init__(self, state: LaneState, store: LaneStore, retry: RetryPolicy,
                  on_lost_claim: Callable[[ClaimOutcomeUnknown], None]) -> None:
         self.state = state
         self.store = store

@@ -33,7 +33,7 @@ from .completer import Completer
 from .errors import is_transient
 from .jobs import ClaimedJob, ClaimOutcomeUnknown, LaneStore, LostClaim, Starting
 from .retry import RetryPolicy, one_line
-from .state import STATEMENTS_IN_FLIGHT, Finish, WorkerState
+from .state import STATEMENTS_IN_FLIGHT, Finish, LaneState
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -43,14 +43,14 @@ class Producer:
     Claims into the local buffer; gives back what never started; resolves lost claims.
 
     Args:
-        state: the worker's shared state.
+        state: the lane's state.
         store: the database operations.
         completer: whose queued finishes ride on each statement.
         retry: the retry policy (for lost claims).
         wake: asks the worker for another drain (jobs went back to pending).
     """
 
-    def __init__(self, state: WorkerState, store: LaneStore, completer: Completer,
+    def __init__(self, state: LaneState, store: LaneStore, completer: Completer,
                  retry: RetryPolicy, wake: Callable[[], None]) -> None:
         self.state = state
         self.store = store
@@ -109,13 +109,14 @@ class Producer:
 
     # -- statements --------------------------------------------------------------
 
-    def _begin(self, want: int) -> int:
-        """Book a statement in flight and the room its claim may take; the drain it is in."""
+    def _begin(self, want: int) -> tuple[int, int]:
+        """Book a statement in flight and the room its claim may take; the drain it
+        is in, and the fence epoch it is sent under."""
         state = self.state
         state.in_flight += 1
         state.reserved += want
         state.stats.statements += 1
-        return state.drain_id
+        return state.drain_id, state.worker.fence_epoch
 
     def _done(self, want: int) -> None:
         self.state.in_flight -= 1
@@ -123,21 +124,21 @@ class Producer:
         self.state.kick()
         self.state.notify()
 
-    async def _send_finishes(self, batch: list[Finish], want: int, drain: int,
+    async def _send_finishes(self, batch: list[Finish], want: int, sent: tuple[int, int],
                              starts: list[Starting] | None = None) -> None:
         try:
-            self._accept(await self.completer.send(batch, want, starts), want, drain)
+            await self._accept(await self.completer.send(batch, want, starts), want, sent)
         finally:
             self._done(want)
 
-    async def _send_claim(self, want: int, drain: int) -> None:
+    async def _send_claim(self, want: int, sent: tuple[int, int]) -> None:
         try:
             claimed = await self.claim(want)
             if claimed is None:
-                if drain == self.state.drain_id:
+                if sent[0] == self.state.drain_id:
                     self.state.end_drain()  # logged; the next wake or poll tries again
             else:
-                self._accept(claimed, want, drain)
+                await self._accept(claimed, want, sent)
         finally:
             self._done(want)
 
@@ -160,16 +161,27 @@ class Producer:
                           one_line(exc), exc_info=not is_transient(exc))
         return None
 
-    def _accept(self, claimed: list[ClaimedJob], wanted: int, drain: int) -> None:
+    async def _accept(self, claimed: list[ClaimedJob], wanted: int,
+                      sent: tuple[int, int]) -> None:
         """
         Claimed jobs into the buffer. A claim that came back short ends the
         drain, if it was sent during that drain: one sent before the wake may
         not have seen the job that caused it.
+
+        A claim answered after a fence (the worker is fenced now, or was since
+        the claim was sent) never reaches a slot: its jobs go straight back,
+        attempts restored, or, if the database cannot be reached, are left to
+        the rescue. Else the fenced worker would run them beside the rescue's
+        re-run.
         """
         state = self.state
+        drain, epoch = sent
         if wanted and len(claimed) < wanted and drain == state.drain_id:
             state.end_drain()
         if not claimed:
+            return
+        if state.fenced or epoch != state.worker.fence_epoch:
+            await self._give_back(claimed, "claimed just before the fence")
             return
         now = trio.current_time()
         if state.buffer and claimed[0].order < state.buffer[-1][0].order:
@@ -231,14 +243,17 @@ class Producer:
             jobs = [job for job, _ in state.buffer]
             state.buffer.clear()
         state.stats.buffered -= len(jobs)
+        await self._give_back(jobs, "waited past prefetch_ttl" if expired else "stopping")
+
+    async def _give_back(self, jobs: list[ClaimedJob], why: str) -> None:
+        state = self.state
         with trio.CancelScope(shield=True):  # bounded by the store
             try:
                 state.stats.returned += await self.store.unclaim(jobs)
             except Exception as exc:
                 log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
                             "the sweep will", len(jobs), one_line(exc))
-        log.info("gave back %d job(s) that never started (%s)", len(jobs),
-                 "waited past prefetch_ttl" if expired else "stopping")
+        log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
         state.notify()
 
     # -- winding down ------------------------------------------------------------

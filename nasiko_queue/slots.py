@@ -36,7 +36,7 @@ from .jobs import ClaimedJob, LaneStore
 from .payloads import PayloadCodec
 from .queue import Queue
 from .retry import RetryPolicy, one_line
-from .state import Finish, WorkerState
+from .state import Finish, LaneState
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -71,7 +71,7 @@ class Slots(abc.ABC, Generic[S]):
         wake: asks the worker for another drain (a crashed job's retry).
     """
 
-    def __init__(self, state: WorkerState, store: S, queue: Queue,
+    def __init__(self, state: LaneState, store: S, queue: Queue,
                  executors: Executors, codec: PayloadCodec, completer: Completer,
                  retry: RetryPolicy, wake: Callable[[], None]) -> None:
         self.state = state
@@ -175,6 +175,10 @@ class Slots(abc.ABC, Generic[S]):
         # Per claim, not per job: a crashed run's reset commits before this run's
         # bookkeeping ends, and another slot may already be running the job again.
         claim = (job.id, job.attempt)
+        if self.state.fenced or claim in self.state.cancels:
+            # The fence (or a cancel request) came while the job was being
+            # prepared, or waited in the buffer: it never starts.
+            return await self._stopped(job, label, started=False)
         self.state.job_scopes[claim] = scope
         try:
             with scope:
@@ -212,7 +216,22 @@ class Slots(abc.ABC, Generic[S]):
                              message=f"ran past its limit of {limit}s", traceback="")
             await self._keep(job, error)
             return Ran.TIMED_OUT, error
+        return await self._stopped(job, label, started=True)
+
+    async def _stopped(self, job: ClaimedJob, label: str, *,
+                       started: bool) -> tuple[Ran, None]:
+        """The fence or a cancel request stopped the run (or kept it from starting)."""
         if await self.on_fenced(job, label):
+            return Ran.FENCED, None
+        if not started:  # it never ran: given back as it was, attempt restored
+            with trio.CancelScope(shield=True):  # bounded by the store
+                try:
+                    self.state.stats.returned += await self.store.unclaim([job])
+                    log.warning("job %s (%s): the fence came before it started; given back",
+                                job.id, label)
+                except Exception as exc:
+                    log.warning("job %s: could not be given back after the fence (%s); a "
+                                "rescue or the sweep will", job.id, one_line(exc))
             return Ran.FENCED, None
         # The worker is cut off or was declared dead: the run's outcome is not
         # written; the job is given back (by us if we can, else by the leader).
@@ -233,11 +252,6 @@ class Slots(abc.ABC, Generic[S]):
         except Exception as exc:
             log.warning("job %s: could not keep the error of attempt %d (%s)", job.id,
                         job.attempt, one_line(exc))
-
-    def fence(self) -> None:
-        """Stop every running job's executor (the worker lost its lease)."""
-        for scope in self.state.job_scopes.values():
-            scope.cancel()
 
     async def _release(self, job: ClaimedJob, *, why: str = "a hard stop") -> None:
         # Shielded; bounded by the store (cleanup_timeout on both sides of the bridge).

@@ -1,13 +1,16 @@
 """
-What the parts of a worker share: its counters, and its one state object.
+What the parts of a worker share: its counters, the worker's state and each lane's.
 
-A worker is a handful of small objects (`producer.Producer`, `completer.Completer`,
-`job_executor.JobExecutor`, the maintenance services, the listener) that run as
-tasks of one nursery and hand work to each other through `WorkerState`: the local
-buffer of claimed jobs, the finishes waiting to be recorded, the statements in
-flight, the drain under way. Keeping it in one object, not in flags spread across
-the parts, is what lets each part be read on its own: every field says who sets
-it and who waits on it.
+A worker is a handful of small objects (each lane's `producer.Producer`,
+`completer.Completer` and slots, the heartbeat, the maintenance services, the
+listener) that run as tasks of one nursery and hand work to each other through
+two kinds of state: `WorkerState`, what the whole worker shares (counters, the
+stop, the fence, the running executors' scopes), and one `LaneState` per lane
+(the local buffer of claimed jobs, the finishes waiting to be recorded, the
+statements in flight, the drain under way). Keeping them in objects, not in flags
+spread across the parts, is what lets each part be read on its own: every field
+says who sets it and who waits on it; and keeping each lane's apart is what
+keeps a busy lane from holding up another.
 """
 
 from __future__ import annotations
@@ -164,26 +167,84 @@ class Finish:
 @attrs.define(eq=False)
 class WorkerState:
     """
-    The one mutable state of a worker, shared by its parts.
+    What every lane of a worker shares: its counters, its signals, its lease.
 
     Who touches what:
 
-    * the drain loop (`Worker`) starts drains (`begin_drain`) and waits for them
-      to end; `stop()` sets `stopping`;
-    * the producer fills `buffer`, books `in_flight` statements and the room
-      their claims may take (`reserved`), ends a drain when a claim comes back
-      short, and collects `lost_claims` to resolve;
-    * the slots (`JobExecutor`) take from `buffer` and count `running`;
-    * the completer queues `finishes` and `starts` for the producer's next
-      statement.
+    * `stop()` sets `stopping`; the heartbeat sets `fenced` and `leader_until`,
+      and the worker's fence bumps `fence_epoch`;
+    * the slots of every lane register each running executor's cancel scope in
+      `job_scopes` (so that the fence and a cancel request reach them, whatever
+      their lane) and record `run_seconds`; the producers `claim_latency`.
 
-    `kick()` wakes the producer to look at its work again; `notify()` wakes
+    Each lane's own work (its buffer, statements, drains) is in its `LaneState`,
+    so that nothing one lane waits for can hold up another. `notify()` wakes
     `drain_once` and `wait_for` (counters do so by themselves).
     """
 
     config: QueueConfig
     stats: WorkerStats = attrs.field(init=False)
     changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+    #: `stop()` was called: claim nothing more.
+    stopping: trio.Event = attrs.Factory(trio.Event)
+    #: Until when (trio time) this worker surely holds the maintenance
+    #: leadership: the last renewal's send time plus the lease, less one
+    #: heartbeat interval of margin. Maintenance runs only before it.
+    leader_until: float = float("-inf")
+    #: Cut off (or declared dead): claim nothing, start nothing, until registered
+    #: anew.
+    fenced: bool = False
+    #: Bumped by every fence: a statement sent under an earlier epoch whose claim
+    #: is answered after the fence gives its jobs back instead of running them.
+    fence_epoch: int = 0
+    #: The cancel scope of each running job's executor, every lane's, by claim
+    #: (job id, attempt): two runs of one job may overlap in one worker for a
+    #: moment (a crashed run's reset commits, another slot claims it).
+    job_scopes: dict[tuple[UUID, int], trio.CancelScope] = attrs.Factory(dict)
+    #: Claims whose run was asked to stop (a cancel of a plain job): their scope
+    #: in `job_scopes` is cancelled (or, for a job still buffered, it never
+    #: starts), and the run ends `cancelled`.
+    cancels: set[tuple[UUID, int]] = attrs.Factory(set)
+    #: Seconds each executor ran (every lane's), and from each job's becoming
+    #: claimable (a build job's `created_at`, a plain job's `run_at`) to its claim.
+    run_seconds: Timings = attrs.Factory(Timings)
+    claim_latency: Timings = attrs.Factory(Timings)
+    #: The LISTEN connection is established now (set by the `Listener`).
+    listening: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.stats = WorkerStats(_changed_lot=self.changed)
+
+    def notify(self) -> None:
+        """Wake `drain_once` and `wait_for`."""
+        self.changed.unpark_all()
+
+    def is_leader(self) -> bool:
+        return trio.current_time() < self.leader_until
+
+
+@attrs.define(eq=False)
+class LaneState:
+    """
+    The mutable state of one lane (the build jobs, or one queue of plain jobs).
+
+    Who touches what:
+
+    * the lane's drain loop (`Lane.run`) begins drains (`begin_drain`) and
+      waits for them to end; `Lane.wake` begins one at once when the loop waits;
+    * the producer fills `buffer`, books `in_flight` statements and the room
+      their claims may take (`reserved`), ends a drain when a claim comes back
+      short, and collects `lost_claims` to resolve;
+    * the slots take from `buffer` and count `running`;
+    * the completer queues `finishes` and `starts` for the producer's next
+      statement.
+
+    `kick()` wakes the producer to look at its work again. What the lanes share
+    (`stats`, `stopping`, the fence, the job scopes) is read through `worker`.
+    """
+
+    config: QueueConfig
+    worker: WorkerState
     #: Claimed jobs no slot has taken yet, each with the (trio) time it was
     #: claimed, oldest first; slots park on `job_ready` while it is empty.
     buffer: collections.deque[tuple[ClaimedJob, float]] = attrs.Factory(collections.deque)
@@ -203,64 +264,70 @@ class WorkerState:
     #: Past `prefetch_ttl`: claim only for idle slots until a slot runs dry.
     prefetch_paused: bool = False
     slots_alive: int = 0
-    #: A wake not yet taken by the drain loop (a wake handed straight to the
-    #: waiting loop never shows in the channel's buffer; `drain_once` must see it).
-    woken: bool = False
-    #: `stop()` was called: claim nothing more.
-    stopping: trio.Event = attrs.Factory(trio.Event)
-    #: The worker is winding down (graceful or hard): slots take nothing more.
+    #: The lane is winding down (graceful or hard): slots take nothing more.
     closing: bool = False
     #: Set while no drain runs; the producer claims to fill the room only while
     #: it is clear, and ends the drain by setting it.
     drain_ended: trio.Event = attrs.Factory(trio.Event)
     kicked: trio.Event = attrs.Factory(trio.Event)
-    #: Until when (trio time) this worker surely holds the maintenance
-    #: leadership: the last renewal's send time plus the lease, less one
-    #: heartbeat interval of margin. Maintenance runs only before it.
-    leader_until: float = float("-inf")
-    #: Cut off (or declared dead): claim nothing until registered anew.
-    fenced: bool = False
-    #: The cancel scope of each running job's executor, for the fence, by
-    #: claim (job id, attempt): two runs of one job may overlap in one worker
-    #: for a moment (a crashed run's reset commits, another slot claims it).
-    job_scopes: dict[tuple[UUID, int], trio.CancelScope] = attrs.Factory(dict)
-    #: Claims whose run was asked to stop (a cancel of a plain job): their scope
-    #: in `job_scopes` is cancelled, and the run ends `cancelled`.
-    cancels: set[tuple[UUID, int]] = attrs.Factory(set)
-    #: Seconds each executor ran (every lane's), and from each job's becoming
-    #: claimable (a build job's `created_at`, a plain job's `run_at`) to its claim.
-    run_seconds: Timings = attrs.Factory(Timings)
-    claim_latency: Timings = attrs.Factory(Timings)
-    #: The LISTEN connection is established now (set by the `Listener`).
-    listening: bool = False
-
     #: Jobs in this lane's slots now (`stats.running` counts every lane's).
     running: int = 0
     #: The drain under way (or last run) in this lane: a claim sent during an
     #: earlier drain, or before a wake that re-armed this one (`rearm`), must
     #: not end the current one.
     drain_id: int = 0
+    #: Drains this lane began and ended (`stats` counts every lane's).
+    drains_started: int = 0
+    drains_completed: int = 0
     #: Trio time at which this lane's next scheduled job is due (plain lanes);
     #: the drain loop wakes then, not at its next poll.
     next_due: float = float("inf")
+    #: The drain loop waits for a wake (or its poll): a wake begins the drain.
+    waiting: bool = False
+    #: A drain was begun (by a wake) that the drain loop has yet to wait for.
+    drain_begun: bool = False
+    #: Set by a wake that began a drain while the loop waited (or by a stop).
+    wake_event: trio.Event = attrs.Factory(trio.Event)
+    #: A wake the drain loop has yet to answer (it came between the end of a
+    #: drain and the loop's next wait): the loop drains again at once.
+    woken: bool = False
 
     def __attrs_post_init__(self) -> None:
-        self.stats = WorkerStats(_changed_lot=self.changed)
         self.drain_ended.set()
 
-    def lane(self, config: QueueConfig) -> WorkerState:
-        """
-        The state of another lane of the same worker (one queue of plain jobs):
-        its own buffer, slots, statements and drains, under `config`; this
-        state's counters, signals and `stopping`.
-        """
-        lane = WorkerState(config)
-        lane.stats = self.stats
-        lane.changed = self.changed
-        lane.stopping = self.stopping
-        lane.run_seconds = self.run_seconds
-        lane.claim_latency = self.claim_latency
-        return lane
+    # -- what the lanes share ------------------------------------------------------
+
+    @property
+    def stats(self) -> WorkerStats:
+        return self.worker.stats
+
+    @property
+    def stopping(self) -> trio.Event:
+        return self.worker.stopping
+
+    @property
+    def fenced(self) -> bool:
+        return self.worker.fenced
+
+    @property
+    def job_scopes(self) -> dict[tuple[UUID, int], trio.CancelScope]:
+        return self.worker.job_scopes
+
+    @property
+    def cancels(self) -> set[tuple[UUID, int]]:
+        return self.worker.cancels
+
+    @property
+    def run_seconds(self) -> Timings:
+        return self.worker.run_seconds
+
+    @property
+    def claim_latency(self) -> Timings:
+        return self.worker.claim_latency
+
+    def notify(self) -> None:
+        """Wake `drain_once` and `wait_for`."""
+        self.worker.notify()
 
     # -- signals ---------------------------------------------------------------
 
@@ -273,10 +340,6 @@ class WorkerState:
             await self.kicked.wait()
         self.kicked = trio.Event()
 
-    def notify(self) -> None:
-        """Wake `drain_once` and `wait_for`."""
-        self.changed.unpark_all()
-
     # -- drains ----------------------------------------------------------------
 
     @property
@@ -285,6 +348,8 @@ class WorkerState:
 
     def begin_drain(self) -> None:
         self.drain_id += 1
+        self.drains_started += 1
+        self.stats.drains_started += 1
         self.drain_ended = trio.Event()
         self.kick()
 
@@ -304,24 +369,21 @@ class WorkerState:
         """Slots take nothing more; the producer gives the buffer back and winds down."""
         self.closing = True
         self.end_drain()
+        self.wake_event.set()
         self.job_ready.unpark_all()
         self.kick()
 
     def idle(self) -> bool:
         """Nothing in hand and nothing about to start: no drain running or asked for."""
-        stats = self.stats
-        return (stats.running == 0 and stats.buffered == 0 and stats.finishing == 0
-                and not self.starts and not self.draining and not self.woken and not self.in_flight
-                and not self.lost_claims and not self.resolving)
+        return (self.running == 0 and not self.buffer and not self.finishes
+                and not self.starts and not self.draining and not self.woken
+                and not self.in_flight and not self.lost_claims and not self.resolving)
 
     # -- room ------------------------------------------------------------------
 
-    def is_leader(self) -> bool:
-        return trio.current_time() < self.leader_until
-
     def room(self) -> int:
         """How many jobs the next claim may take: free slots plus free buffer places."""
-        if self.closing or self.stopping.is_set() or self.fenced:
+        if self.closing or self.worker.stopping.is_set() or self.worker.fenced:
             return 0
         capacity = self.config.concurrency
         if not self.prefetch_paused:

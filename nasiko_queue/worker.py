@@ -8,17 +8,26 @@ Shape (docs/rules.md §5, §8)::
       database is away), then started()
       nursery "timers": the `HeartbeatService` (renews the row every 3 s, holds
                         the maintenance leadership, fences the worker when cut
-                        off), the recovery timer (`StuckJobSweeper`: first tick
-                        one period after start, missed ticks skipped; each tick
-                        also prunes, `Pruner`), the `JobRescuer` (dead workers'
+                        off; shielded, so that a hard stop keeps the lease
+                        until the last executor has returned), the recovery
+                        timer (`StuckJobSweeper`: first tick one period after
+                        start, missed ticks skipped; each tick also prunes,
+                        `Pruner`), the `JobRescuer` (dead workers'
                         jobs back to pending), all three on the leader only, the
                         `Scheduler` (cron ticks, on every replica that has it:
                         the database decides who enqueues each tick), and the
                         `Listener` (LISTEN on a dedicated connection; every
                         notification is a wake)
-      nursery "work":   one `Lane` per source of jobs: the build jobs (when it
-                        has build executors), and each queue of plain jobs it
-                        runs. Each lane has its `Producer` (claims into the
+      nursery "work":   the wake relay (the wake channel's receive side,
+                        capacity 64: wakes sent before the lanes run, and the
+                        stop when its send side closes), and one `Lane` per
+                        source of jobs: the build jobs (when it has build
+                        executors), and each queue of plain jobs it runs.
+                        Each lane has its drain loop (`Lane.run`: start a
+                        drain, wait for it to end, read when its next
+                        scheduled job is due, then wait for a wake, the poll
+                        timeout (5 s, re-armed after every drain) or the next
+                        due job; drain again), its `Producer` (claims into the
                         lane's local buffer, carrying the `Completer`'s queued
                         finishes on each statement; gives back what never
                         started; resolves lost claims) and its slots
@@ -26,12 +35,17 @@ Shape (docs/rules.md §5, §8)::
                         executor guarded in a cancel scope of its own, so
                         that its exceptions, and those of any task it
                         starts, feed `reset_panicked_job`)
-      the drain loop:   start a drain in every lane; wait for them to end; read
-                        when each queue's next scheduled job is due; then wait
-                        for a wake (the wake channel, capacity 64), the poll
-                        timeout (5 s, re-armed after every drain) or the next
-                        due job, whichever comes first; coalesce the wakes that
-                        piled up; drain again
+
+The lanes never wait for each other: a lane whose slots are all busy (a build of
+30 minutes) is still draining while every other lane claims, runs and polls on
+its own. What they share is the worker's: its connections, heartbeat, counters
+and fence (`WorkerState`). A wake reaches every lane at once.
+
+The fence is one, worker-wide: when the worker loses its lease, every running
+executor is cancelled, every buffer emptied, and `fence_epoch` moves on; a claim
+sent before it and answered after gives its jobs back (attempts restored)
+instead of buffering them, and a slot that was about to start a job gives it
+back too. After the fence no job starts until the worker is registered anew.
 
 A drain claims jobs until a claim comes back short, never more at once than a
 lane's slots and prefetch buffer have room for (for the build lane
@@ -51,7 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any
 from uuid import UUID
@@ -83,7 +97,7 @@ from .queue import Queue
 from .retry import RetryPolicy, one_line
 from .schedules import Schedule, Scheduler, SchedulerConfig
 from .slots import Slots
-from .state import WorkerState, WorkerStats
+from .state import LaneState, WorkerState, WorkerStats
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -145,9 +159,11 @@ class Worker:
         #: per queue of plain jobs.
         self.lanes: list[Lane] = []
         if executors.kinds and self.config.builds:
-            self.lanes.append(self._lane("builds", self.state, self._store, JobExecutor))
+            self.lanes.append(self._lane("builds", LaneState(self.config, self.state),
+                                         self._store, JobExecutor))
         for name, concurrency in self._queues():
-            lane_state = self.state.lane(attrs.evolve(self.config, concurrency=concurrency))
+            lane_state = LaneState(attrs.evolve(self.config, concurrency=concurrency),
+                                   self.state)
             plain = PlainJobStore(queue.db, self.config, name, self._worker_id)
             self.lanes.append(self._lane(name, lane_state, plain, PlainJobExecutor))
         if not self.lanes:
@@ -161,7 +177,7 @@ class Worker:
                                   on_rescued=self.wake)
         self.heartbeat = HeartbeatService(self.state, self._store,
                                           tuple(sorted(executors)),
-                                          on_fence=self._fence, on_resume=self._resume,
+                                          on_fence=self.fence, on_resume=self._resume,
                                           on_elected=self.rescuer.kick,
                                           on_cancels=self._cancel_running)
         self.sweeper = StuckJobSweeper(SweeperConfig.of(self.config), self._store,
@@ -174,10 +190,8 @@ class Worker:
         if schedules and self.config.scheduler:
             self.scheduler = Scheduler(queue, schedules, SchedulerConfig.of(self.config))
         self._started = False
-        #: The drain loop waits for a wake (or the poll): a wake begins the drain.
-        self._idle = False
-        #: A drain was begun (by a wake) that the drain loop has yet to wait for.
-        self._drain_begun = False
+        #: The lanes run: a wake goes to them directly, not through the channel.
+        self._lanes_running = False
 
     def _worker_id(self) -> UUID | None:
         worker_id: UUID | None = getattr(self._store, "worker_id", None)
@@ -190,7 +204,7 @@ class Worker:
         names = sorted({t.options.queue for t in self.executors.plain_types})
         return tuple((name, self.config.concurrency) for name in names)
 
-    def _lane(self, name: str, state: WorkerState, store: LaneStore,
+    def _lane(self, name: str, state: LaneState, store: LaneStore,
               pipeline: type[Slots[Any]]) -> Lane:
         lane: Lane
         completer = Completer(state, store, self._retry,
@@ -210,80 +224,85 @@ class Worker:
     def _resume(self) -> None:
         """Registered anew after a fence: claim again, at once."""
         for lane in self.lanes:
-            lane.state.fenced = False
             lane.state.kick()
         self.wake()
 
-    def _fence(self, _why: str) -> None:
-        """The worker lost its lease: stop every running job, drop what is buffered
-        (the leader gives it back with the rest), claim nothing until registered anew."""
+    def fence(self, _why: str) -> None:
+        """
+        The worker lost its lease (the heartbeat calls this): stop every running
+        job, drop what is buffered (the leader gives it back with the rest), claim
+        nothing until registered anew. Claims in flight now are answered under an
+        older `fence_epoch`: their jobs go back instead of into a buffer
+        (`Producer`).
+        """
+        state = self.state
+        state.fenced = True  # the heartbeat's fence sets it first; a caller's may not
+        state.fence_epoch += 1
+        for scope in state.job_scopes.values():
+            scope.cancel()
         for lane in self.lanes:
-            state = lane.state
-            state.fenced = True
-            lane.executor.fence()
-            dropped = len(state.buffer)
-            state.buffer.clear()
+            lane_state = lane.state
+            dropped = len(lane_state.buffer)
+            lane_state.buffer.clear()
             state.stats.buffered -= dropped
-            state.end_drain()
-            state.kick()
-        self.state.notify()
+            lane_state.end_drain()
+            lane_state.kick()
+        state.notify()
 
     def _cancel_running(self, ids: tuple[UUID, ...]) -> None:
-        """The heartbeat found cancel requests for plain jobs this worker runs:
-        stop their executors; their runs end `cancelled`."""
+        """
+        The heartbeat found cancel requests for plain jobs this worker holds:
+        stop their executors; their runs end `cancelled`. A job still in a
+        lane's buffer is marked too, and ends `cancelled` without starting.
+        """
         wanted = set(ids)
+        state = self.state
+        for claim, scope in state.job_scopes.items():
+            if claim[0] in wanted and claim not in state.cancels:
+                state.cancels.add(claim)
+                scope.cancel()
         for lane in self.lanes:
-            for claim, scope in lane.state.job_scopes.items():
-                if claim[0] in wanted and claim not in lane.state.cancels:
-                    lane.state.cancels.add(claim)
-                    scope.cancel()
+            for job, _claimed_at in lane.state.buffer:
+                if job.id in wanted:
+                    state.cancels.add((job.id, job.attempt))
 
     # -- signals -----------------------------------------------------------
 
     def wake(self) -> None:
         """
-        Ask for a drain. Never blocks: a wake that does not fit is dropped.
+        Ask every lane for a drain. Never blocks: a wake that does not fit is dropped.
 
         The wake is on the path from an enqueue (a NOTIFY on the listener, or an
-        in-process enqueue) to its job's start, so it acts at once rather than
-        through another task: while the drain loop waits, it begins the drain
-        here, and the producers claim on their next pass instead of after the
-        drain loop's; during a drain it re-arms every lane that is draining
-        (`WorkerState.rearm`), so that a claim already in flight, which may not
-        have seen the new job, does not end the drain when it comes back short:
-        the producer claims again straight away instead of after a round of the
-        drain loop (and, for plain queues, the look-up of the next due job).
+        in-process enqueue) to its job's start, so once the lanes run it goes to
+        each directly (`Lane.wake`: it begins the lane's drain if the lane
+        waits, or re-arms the drain under way). Before they run it goes into
+        the wake channel (capacity 64; a wake that does not fit is dropped: a
+        drain is coming anyway), whose relay hands it on once they do.
         """
         self._wake()
 
-    def _wake(self) -> bool:
-        """`wake`; True when a drain under way answers it (begun or re-armed by it in
-        every lane), False when the drain loop's next drain will."""
-        state = self.state
-        if not state.stopping.is_set():
-            if self._idle:
-                self._begin_drain()
-                self._signal()  # the drain loop waits for the drain begun here
-                return True
-            draining = [lane.state for lane in self.lanes if lane.state.draining]
-            for lane_state in draining:
-                lane_state.rearm()
-            if len(draining) == len(self.lanes):
-                return True  # every lane claims again: no further drain is needed
-        self._signal()
-        return False
-
-    def _signal(self) -> None:
-        """Hand a wake to the drain loop through the channel (dropped when it is full)."""
-        self.state.woken = True
+    def _wake(self) -> list[bool]:
+        """`wake`; for each lane, True when a drain under way answers it."""
+        if self._lanes_running:
+            return [lane.wake() for lane in self.lanes]
         with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError,
                                  trio.BrokenResourceError):
             self._wake_send.send_nowait(None)
+        return [False] * len(self.lanes)
 
     @property
     def wakes_pending(self) -> int:
         """Wakes waiting in the channel (at most `wake_capacity`)."""
         return self._wake_send.statistics().current_buffer_used
+
+    async def _relay_wakes(self) -> None:
+        """The wake channel's receive side: hand each wake to the lanes; the end
+        of the channel (every send side closed) stops the worker."""
+        async with self._wake_recv:
+            async for _wake in self._wake_recv:
+                for lane in self.lanes:
+                    lane.wake()
+        self.stop()
 
     def stop(self) -> None:
         """Graceful stop: claim nothing more, let running executors finish, return."""
@@ -291,24 +310,37 @@ class Worker:
         self._wake_send.close()
         for lane in self.lanes:
             lane.state.end_drain()
+            lane.state.wake_event.set()
             lane.state.kick()
 
-    async def drain_once(self) -> None:
+    def idle(self) -> bool:
+        """No lane holds, runs or is about to claim anything."""
+        return all(lane.state.idle() for lane in self.lanes)
+
+    async def drain_once(self, *, lanes: Collection[str] | None = None) -> None:
         """
-        Wake the worker and wait until a drain that began after this call (or
-        that this call's wake re-armed in every lane) is over.
+        Wake the worker and wait until, in every lane (or in the lanes named:
+        "builds", or a queue's name), a drain that began after this call (or
+        that this call's wake re-armed) is over.
 
         "Over" means a claim came back short (nothing more runnable), no job
-        is running or waiting in the buffer, and every outcome is recorded.
-        Meant for tests and tools that need to know the queue has been worked,
-        without sleeping.
+        is running or waiting in the lane's buffer, and every outcome is
+        recorded. Meant for tests and tools that need to know the queue has
+        been worked, without sleeping. A lane whose slots are all busy is
+        draining until one frees: name the other lanes to wait for them alone.
         """
         state = self.state
-        target = self.stats.drains_started + 1
-        if self._wake():  # the drain under way answers it (begun or re-armed by it)
-            target = self.stats.drains_started
-        while not (self.stats.drains_completed >= target
-                   and all(lane.state.idle() for lane in self.lanes) and state.idle()):
+        answered = self._wake()
+        unknown = set(lanes or ()) - {lane.name for lane in self.lanes}
+        if unknown:
+            raise ValueError(f"this worker has no lane {sorted(unknown)}")
+        # Per lane: the drain that answers (begun or re-armed by this wake), else
+        # the next one.
+        targets = [(lane, lane.state.drains_started + (0 if ok else 1))
+                   for lane, ok in zip(self.lanes, answered, strict=True)
+                   if lanes is None or lane.name in lanes]
+        while not all(lane.state.drains_completed >= target and lane.state.idle()
+                      for lane, target in targets):
             if state.stopping.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await state.changed.park()
@@ -341,9 +373,13 @@ class Worker:
             log.info("worker stopped before it started")
             return
         self.queue._add_waker(self.wake)
+        # The heartbeat outlives a hard stop's cancellation until the last
+        # executor has returned: one that shields itself still runs, and a lease
+        # left to lapse would let the rescue run its job again elsewhere at once.
+        heartbeat = trio.CancelScope(shield=True)
         try:
             async with trio.open_nursery() as timers:
-                await timers.start(self.heartbeat.run)
+                await timers.start(self._heartbeat, heartbeat)
                 timers.start_soon(partial(self.sweeper.run, then=self.pruner.run_once))
                 timers.start_soon(self.rescuer.run)
                 if self.scheduler is not None:
@@ -352,19 +388,20 @@ class Worker:
                 if self.config.listen and channel is not None:
                     listener = Listener(self.queue.db, channel, state, self.wake)
                     await timers.start(listener.run)
-                async with trio.open_nursery() as work:
-                    for lane in self.lanes:
-                        lane.start(work)
-                    task_status.started()
-                    log.info("worker started (kinds: %s; lanes: %s)",
-                             ", ".join(sorted(self.executors)),
-                             ", ".join(f"{lane.name}={lane.state.config.concurrency}"
-                                       for lane in self.lanes))
-                    try:
-                        await self._drain_loop()
-                    finally:
+                try:
+                    async with trio.open_nursery() as work:
+                        work.start_soon(self._relay_wakes, name="wake relay")
                         for lane in self.lanes:
-                            lane.state.close()
+                            lane.start(work)
+                        self._lanes_running = True
+                        task_status.started()
+                        log.info("worker started (kinds: %s; lanes: %s)",
+                                 ", ".join(sorted(self.executors)),
+                                 ", ".join(f"{lane.name}={lane.state.config.concurrency}"
+                                           for lane in self.lanes))
+                finally:
+                    self._lanes_running = False
+                    heartbeat.cancel()
                 # Every slot has returned and the producer has had their outcomes
                 # recorded; the timers have nothing left to guard.
                 timers.cancel_scope.cancel()
@@ -375,6 +412,11 @@ class Worker:
             state.notify()
         log.info("worker stopped")
 
+    async def _heartbeat(self, scope: trio.CancelScope, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await self.heartbeat.run(task_status=task_status)
+
     async def _deregister(self) -> None:
         """Remove the worker's row and release its leadership (shielded, bounded)."""
         with trio.CancelScope(shield=True):
@@ -383,69 +425,6 @@ class Worker:
             except Exception as exc:
                 log.warning("could not deregister the worker (%s); its row expires and "
                             "the leader gives back anything it held", one_line(exc))
-
-    async def _drain_loop(self) -> None:
-        stopping = self.state.stopping
-        try:
-            while True:
-                await self._drain()
-                if stopping.is_set():
-                    return
-                # The poll, or sooner when a lane's next scheduled job is due.
-                wake_at = min([trio.current_time() + self.config.poll_interval,
-                               *(lane.state.next_due for lane in self.lanes)])
-                self._idle = True  # a wake now begins the next drain itself
-                try:
-                    with trio.move_on_at(wake_at):
-                        try:
-                            await self._wake_recv.receive()
-                        except trio.EndOfChannel:
-                            return
-                finally:
-                    self._idle = False
-                # Wakes that arrived during the drain are all answered by the next one.
-                while True:
-                    try:
-                        self._wake_recv.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                    except trio.EndOfChannel:
-                        return
-                if stopping.is_set():
-                    return
-                self.state.woken = False  # the drain below answers every wake so far
-        finally:
-            if self._drain_begun:  # begun by a wake just before the stop
-                self._drain_begun = False
-                self._end_drain()
-
-    def _begin_drain(self) -> None:
-        """Begin a drain in every lane (their producers claim on their next pass)."""
-        self._idle = False
-        self._drain_begun = True
-        self.stats.drains_started += 1
-        for lane in self.lanes:
-            lane.state.begin_drain()
-
-    def _end_drain(self) -> None:
-        for lane in self.lanes:
-            lane.state.end_drain()
-        self.stats.drains_completed += 1
-        self.state.notify()
-
-    async def _drain(self) -> None:
-        """Have every lane's producer claim until a claim comes back short (or fails)."""
-        if not self._drain_begun:  # else a wake began it already (`wake`)
-            self._begin_drain()
-        self._drain_begun = False
-        try:
-            if not self.state.stopping.is_set():
-                for lane in self.lanes:
-                    await lane.state.drain_ended.wait()
-                for lane in self.lanes:
-                    await lane.refresh_due()
-        finally:
-            self._end_drain()
 
     async def _startup_recovery(self) -> bool:
         """

@@ -467,7 +467,7 @@ async def test_two_runs_of_one_job_in_one_worker_are_fenced_each(db: Database) -
             await second_started.wait()
             first_may_end.set()
             await first_ended.wait()
-            worker.executor.fence()  # the worker lost its lease: both runs must stop
+            worker.fence("the test")  # the worker lost its lease: both runs must stop
     assert results[1] is not None  # the first finished (its outcome is for the completer)
     assert results[2] is None  # the second was stopped by the fence, its outcome unwritten
     assert worker.state.job_scopes == {}

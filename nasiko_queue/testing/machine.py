@@ -612,7 +612,7 @@ class QueueStateMachine(RuleBasedStateMachine):
                             for worker in workers:
                                 inner.start_soon(drain_once, worker)
                         if len(workers) == 1 or all(
-                                w.state.idle() and w.stats.drains_started
+                                w.idle() and w.stats.drains_started
                                 == w.stats.drains_completed for w in workers):
                             break
                     waiting.cancel_scope.cancel()
