@@ -21,12 +21,14 @@ import nasiko_queue.jobs
 import nasiko_queue.plain_jobs
 import nasiko_queue.queue
 from nasiko_queue._sql import Q
+from nasiko_queue.lane import Lane
 from nasiko_queue.testing import plain_machine
 from nasiko_queue.testing.plain_machine import (
     PlainStateMachine,
     plain_profile,
     run_plain_state_machine,
 )
+from nasiko_queue.worker import Worker
 
 #: The machine's own budget, without the shrink phase.
 HUNT = settings(plain_profile(), phases=[Phase.explicit, Phase.generate])
@@ -119,3 +121,36 @@ async def test_the_plain_machine_finds_the_planted_bug(
 ) -> None:
     MUTANTS[name](monkeypatch)
     await _expect_failure(dsn, name)
+
+
+# -- lanes (issue #20) -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _CoupledLane(Lane):
+    """main before #20: a lane's drain ended only once every lane's had, so a busy
+    lane held up the others' claims, wakes and polls."""
+
+    siblings: list[Lane] = attrs.Factory(list)
+
+    async def refresh_due(self) -> None:
+        for other in self.siblings:
+            await other.state.drain_ended.wait()
+        await super().refresh_due()
+
+
+class _CoupledLanes(PlainStateMachine):
+    def make_worker(self) -> Worker:
+        worker = super().make_worker()
+        lanes = [_CoupledLane(**{f.name: getattr(lane, f.name) for f in attrs.fields(Lane)})
+                 for lane in worker.lanes]
+        for lane in lanes:
+            lane.siblings = list(lanes)
+        worker.lanes = list(lanes)
+        return worker
+
+
+@pytest.mark.slow
+async def test_the_plain_machine_finds_lanes_that_wait_for_each_other(dsn: str) -> None:
+    notes = await _expect_failure(dsn, "coupled_lanes", _CoupledLanes)
+    assert "state.drain_beside_a_busy_lane()" in notes

@@ -78,6 +78,9 @@ T = TypeVar("T")
 #: The queue the machine's workers run, and one no worker runs (never claimed).
 QUEUE = "default"
 OTHER_QUEUE = "elsewhere"
+#: Another queue the workers run, in a lane of its own, whose one job at a time
+#: holds its slot until the drain of `QUEUE` is over (`drain_beside_a_busy_lane`).
+BUSY_QUEUE = "busy"
 #: Unique keys drawn (None: not unique), and the states they are unique within.
 KEYS = (None, None, "a", "b")
 KEY_STATES = (WAITING_OR_RUNNING, WAITING_OR_RUNNING | {"completed"})
@@ -87,10 +90,11 @@ EXAMPLES: Counter[str] = Counter()
 #: Seconds a crash's retry may come after its claim (the window's upper slack).
 RETRY_SLACK = 5.0
 
-#: The worker's configuration: one slot on the machine's queue, no build lane,
-#: no maintenance of its own (the machine plays the leader), slow polls.
+#: The worker's configuration: one slot on the machine's queue (and one on the
+#: busy lane's), no build lane, no maintenance of its own (the machine plays the
+#: leader), slow polls.
 PLAIN_CONFIG = QueueConfig(
-    queues={QUEUE: 1},
+    queues={QUEUE: 1, BUSY_QUEUE: 1},
     builds=False,
     maintenance=False,
     poll_interval=60.0,
@@ -197,6 +201,9 @@ class PlainWorld:
         self.bad_claims: list[str] = []
         self.hung = trio.Event()
         self.hung_job: UUID | None = None
+        #: The busy lane's run: started, and allowed to end.
+        self.busy_started = trio.Event()
+        self.busy_release = trio.Event()
 
     def new_drain(self) -> None:
         self.log = []
@@ -228,6 +235,10 @@ def plain_executors(world: PlainWorld) -> Executors:
     executors = Executors()
 
     async def run(ctx: PlainJobContext[MachineTask]) -> None:
+        if ctx.queue == BUSY_QUEUE:  # holds its lane's one slot until released
+            world.busy_started.set()
+            await world.busy_release.wait()
+            return
         outcome = await world.begin(ctx)
         if outcome is Run.RAISE:
             raise SimulatedCrash(f"planned crash on attempt {ctx.attempt}")
@@ -373,16 +384,33 @@ class PlainStateMachine(RuleBasedStateMachine):
         job is available again at once, the attempt counted)."""
         self._drain_and_check(OnHang.HARD_STOP)
 
-    def _drain_and_check(self, on_hang: OnHang) -> None:
-        ran = self._call(self._drain, on_hang)
+    @rule()
+    def drain_beside_a_busy_lane(self) -> None:
+        """
+        As `drain`, while another lane of the same worker (queue `BUSY_QUEUE`) is
+        busy all through it: its one job holds its one slot until the drain of
+        the machine's queue is over. Lanes never wait for each other, so the
+        drain runs exactly what `drain` would (every due job of a lane with a
+        free slot is claimed within the drain that follows its wake).
+        """
+        busy = self._call(lambda: self.queue.enqueue(
+            MachineTask(n=len(self.model.jobs)), options=JobOptions(queue=BUSY_QUEUE)))
+        self.model.enqueue(busy, queue=BUSY_QUEUE, priority=0, max_attempts=3, delay=0,
+                           plan=(), unique_key=None, unique_states=WAITING_OR_RUNNING)
+        self._drain_and_check(OnHang.CANCEL, busy=True)
+        assert self.model.drain(BUSY_QUEUE, OnHang.CANCEL).runs == [busy]
+
+    def _drain_and_check(self, on_hang: OnHang, *, busy: bool = False) -> None:
+        ran = self._call(self._drain, on_hang, busy)
         expected = self.model.drain(QUEUE, on_hang)
         assert ran == expected.runs, (
             f"the drain ran {ran}; the model (priority, then run_at) says {expected.runs}")
 
-    async def _drain(self, on_hang: OnHang) -> list[UUID]:
+    async def _drain(self, on_hang: OnHang, busy: bool = False) -> list[UUID]:
         worker = self.make_worker()
         world = self.world
         world.new_drain()
+        world.busy_started, world.busy_release = trio.Event(), trio.Event()
         scope = trio.CancelScope()
 
         async def run(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -391,6 +419,8 @@ class PlainStateMachine(RuleBasedStateMachine):
 
         async with trio.open_nursery() as nursery:
             await nursery.start(run)
+            if busy:
+                await world.busy_started.wait()
             hard = False
             while True:
                 hung = world.hung
@@ -407,6 +437,9 @@ class PlainStateMachine(RuleBasedStateMachine):
                 assert answer == "cancelling", f"cancel of a running job said {answer!r}"
                 await worker.heartbeat.beat_once()
                 await worker.wait_for(partial(_cancelled_more, before))
+            if busy:  # the busy lane's job ends only now, completed
+                world.busy_release.set()
+                await worker.drain_once()
             if hard:
                 scope.cancel()
             else:
@@ -421,7 +454,7 @@ class PlainStateMachine(RuleBasedStateMachine):
 
             async def drain_once() -> None:
                 nonlocal drained
-                await worker.drain_once()
+                await worker.drain_once(lanes=[QUEUE])
                 drained = True
                 waiting.cancel_scope.cancel()
 
