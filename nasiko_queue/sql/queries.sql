@@ -1087,24 +1087,13 @@ FROM nasiko_queue_jobs
 WHERE state = 'available' AND queue = $1 AND run_at > now();
 
 -- name: plain_cancel
--- Cancel job $1: a waiting job ends `cancelled` now; a running one is asked to
--- stop (its worker sees the flag at its next heartbeat). Returns 'cancelled',
+-- Cancel job $1 (the rule is nasiko_queue_cancel, migration 0013: a locked read,
+-- then a decision on the state the row holds once no claim or run's end is in
+-- flight): a waiting job ends `cancelled` now; a running one is asked to stop
+-- (its worker sees the flag at its next heartbeat). Returns 'cancelled',
 -- 'cancelling', or 'already <state>' for a job that had already ended (nothing
--- changes); no row: no such job.
-WITH waiting AS (
-    UPDATE nasiko_queue_jobs
-    SET state = 'cancelled', finished_at = now(), error_msg = 'cancelled'
-    WHERE id = $1 AND state = 'available'
-    RETURNING 'cancelled'::text AS state
-), running AS (
-    UPDATE nasiko_queue_jobs SET cancel_requested = true
-    WHERE id = $1 AND state = 'running'
-    RETURNING 'cancelling'::text AS state
-)
-SELECT state FROM waiting
-UNION ALL SELECT state FROM running
-UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
-          WHERE id = $1 AND state NOT IN ('available', 'running');
+-- changes); NULL: no such plain job.
+SELECT nasiko_queue_cancel($1);
 
 -- name: plain_cancels_held
 -- The running jobs worker $1 holds that were asked to stop: (id, attempt).
