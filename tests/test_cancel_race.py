@@ -134,6 +134,57 @@ async def test_a_cancel_waiting_on_a_run_that_ends_answers_its_state(queue: Queu
     assert answer == "already completed"
 
 
+#: What the cancel writes to a running job's row (inside `nasiko_queue_cancel`).
+ASK_TO_STOP = "UPDATE nasiko_queue_jobs SET cancel_requested = true WHERE id = $1"
+
+
+@pytest.mark.parametrize("end", ["retry", "reset", "rescue"])
+async def test_a_run_end_waiting_on_a_cancel_ends_the_job_cancelled(
+    queue: Queue, end: str
+) -> None:
+    """
+    The other side of the race: the cancel holds a running job's row (its flag
+    set, not yet committed) while the run's end waits for it: a crash's retry, a
+    hard stop's reset, the rescue of its dead worker. Each decides by
+    `nasiko_queue_run_end` on the row the cancel left: cancelled.
+    """
+    job_id = await queue.enqueue(Step(n=1))
+    holder = uuid.uuid4()
+    store = PlainJobStore(queue.db, queue.config, "default", lambda: holder)
+    [job] = await store.claim(1)
+    if end == "rescue":
+        await queue.db.execute(
+            "INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs, heartbeat_at, "
+            "dead_at) VALUES ($1, 'gone', 1, '{}', 1, now() - interval '1 hour', now())",
+            holder)
+        await queue.db.execute("UPDATE nasiko_queue_jobs SET attempted_at = attempted_at "
+                               "- interval '2 hours' WHERE id = $1", job_id)
+    ends = {
+        "retry": lambda: queue.db.fetchval(Q.plain_retry, job_id, job.attempt, 0.0, "boom"),
+        "reset": lambda: queue.db.execute(Q.plain_reset, job_id, job.attempt),
+        "rescue": lambda: queue.db.fetchrow(Q.plain_rescue, None),
+    }
+    results: list[Any] = []
+
+    async def run_end() -> None:
+        results.append(await ends[end]())
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery, queue.db.transaction() as tx:
+            pid = await tx.fetchval("SELECT pg_backend_pid()")
+            await tx.execute(ASK_TO_STOP, job_id)
+            nursery.start_soon(run_end)
+            await _blocked_by(queue.db, pid)
+    row = await queue.db.fetchrow(ROW, job_id)
+    assert row["state"] == "cancelled"
+    assert row["finished_at"] is not None
+    if end == "retry":
+        assert results == ["cancelled"]
+    elif end == "rescue":
+        assert (results[0]["rescued"], results[0]["ended"]) == (0, 1)
+    assert await queue.cancel(job_id) is CancelResult.ALREADY_CANCELLED
+
+
 async def test_the_answers_are_strings() -> None:
     """A `str` enum: today's comparisons and f-strings keep working."""
     assert CancelResult.CANCELLED == "cancelled"

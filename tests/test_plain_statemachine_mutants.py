@@ -100,15 +100,16 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
         mp, nasiko_queue.jobs, plain_rescue=(
             "        claim_token = NULL\n    FROM nasiko_queue_workers AS w",
             "        claim_token = NULL,\n"
-            "        attempt = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts\n"
-            "                       THEN j.attempt ELSE j.attempt - 1 END\n"
+            "        attempt = CASE WHEN nasiko_queue_run_end(j.cancel_requested,\n"
+            "                                                 j.attempt >= j.max_attempts)\n"
+            "                            = 'available' THEN j.attempt - 1 ELSE j.attempt END\n"
             "    FROM nasiko_queue_workers AS w")),
     # The dead-letter queue's retry keeps the attempts of the runs before.
     "dead_letter_retry_keeps_the_attempts": lambda mp: _plant(
         mp, nasiko_queue.job_admin, plain_requeue=("attempt = 0,", "")),
     # A crash after a cancel was asked for makes the job available again.
     "crash_after_cancel_retries": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_retry=(
-        "SET state = CASE WHEN cancel_requested THEN 'cancelled'", "SET state = CASE")),
+        "nasiko_queue_run_end(cancel_requested,", "nasiko_queue_run_end(false,")),
 }
 
 
