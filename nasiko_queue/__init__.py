@@ -62,6 +62,7 @@ from .payloads import Target as Target
 from .payloads import Update as Update
 from .payloads import Upload as Upload
 from .payloads import ZipSource as ZipSource
+from .queue import CancelResult as CancelResult
 from .queue import Queue as Queue
 from .schedules import Schedule as Schedule
 from .schedules import Scheduler as Scheduler

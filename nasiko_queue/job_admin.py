@@ -34,6 +34,7 @@ from .database import Database, Transaction
 from .errors import NasikoQueueError
 from .job_errors import plain_json
 from .payloads import raw_build_id
+from .queue import CancelResult, cancel_plain_job
 
 #: The states of a listing (the plain jobs' words; build jobs are mapped on them).
 STATES = ("available", "running", "completed", "discarded", "cancelled")
@@ -314,21 +315,21 @@ def _must_be_finished(job_id: UUID, status: str) -> None:
 # -- cancel -----------------------------------------------------------------------
 
 
-async def cancel(db: Database, job_id: UUID) -> str:
+async def cancel(db: Database, job_id: UUID) -> CancelResult:
     """
-    Cancel a plain job (as `Queue.cancel`): "cancelled" for a waiting one,
-    "cancelling" for a running one (its worker stops it at its next heartbeat).
+    Cancel a plain job (as `Queue.cancel`): `CancelResult.CANCELLED` for a waiting
+    one, `CANCELLING` for a running one (its worker stops it at its next heartbeat).
 
     Raises:
         JobNotFound: no job has this id.
         JobRefused: a build job (their rules have no cancel), or one that ended.
     """
-    state: str | None = await db.fetchval(Q.plain_cancel, job_id)
-    if state in ("cancelled", "cancelling"):
-        return state
-    if state is not None:
+    result = await cancel_plain_job(db, job_id)
+    if result in (CancelResult.CANCELLED, CancelResult.CANCELLING):
+        return result
+    if result is not None:
         raise JobRefused(f"job {job_id} has already ended "
-                         f"({state.removeprefix('already ')})")
+                         f"({result.removeprefix('already ')})")
     if await db.fetchrow(Q.build_job_peek, job_id) is not None or \
             await db.fetchrow(Q.deleted_build_job_get, job_id) is not None:
         raise JobRefused(f"job {job_id} is a build job: build jobs cannot be cancelled "

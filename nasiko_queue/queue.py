@@ -12,6 +12,7 @@ and enqueue never waits for a worker.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
@@ -38,6 +39,31 @@ ENQUEUE_MANY_CHUNK = 2_000
 #: Inserts a unique enqueue tries while the job holding its key keeps ending
 #: between the insert and the look-up of its id.
 UNIQUE_TRIES = 5
+
+
+class CancelResult(enum.StrEnum):
+    """
+    What `Queue.cancel` did. A `str` enum: each member equals (and prints as) the
+    string `cancel` answered before it was an enum, so ``== "cancelling"`` and
+    f-strings keep working.
+    """
+
+    #: The job was waiting (or scheduled): it ended `cancelled` now and never runs.
+    CANCELLED = "cancelled"
+    #: The job was running: its worker was asked to stop it (at its next
+    #: heartbeat); the run ends `cancelled`, unless it had already returned.
+    CANCELLING = "cancelling"
+    #: The job had already ended; nothing changed.
+    ALREADY_COMPLETED = "already completed"
+    ALREADY_DISCARDED = "already discarded"
+    ALREADY_CANCELLED = "already cancelled"
+
+
+async def cancel_plain_job(db: Database, job_id: UUID) -> CancelResult | None:
+    """The one cancel (`Queue.cancel`, `job_admin.cancel`): None for an id that is
+    no plain job."""
+    answer: str | None = await db.fetchval(Q.plain_cancel, job_id)
+    return None if answer is None else CancelResult(answer)
 
 
 class Queue:
@@ -170,20 +196,22 @@ class Queue:
             )
         return text
 
-    async def cancel(self, job_id: UUID) -> str | None:
+    async def cancel(self, job_id: UUID) -> CancelResult | None:
         """
-        Cancel a plain job. A waiting (or scheduled) job ends `cancelled` at
-        once; a running one is asked to stop: the worker that runs it cancels
-        its executor at its next heartbeat (within `heartbeat_interval`) and the
-        job ends `cancelled`. Returns "cancelled", "cancelling", "already
-        <state>" for a job that had already ended (nothing changes: "already
-        cancelled", "already completed", ...), or None: no such job.
+        Cancel a plain job. The cancel locks the job's row, then decides on the
+        state it holds then (a claim or a run's end in flight is waited for, never
+        missed): a waiting (or scheduled) job ends `cancelled` at once and never
+        runs; a running one is asked to stop: the worker that runs it cancels its
+        executor at its next heartbeat (within `heartbeat_interval`) and the job
+        ends `cancelled` (or as its run ended, if it returned first). Returns
+        `CancelResult.CANCELLED`, `CANCELLING`, or `ALREADY_<STATE>` for a job
+        that had already ended (nothing changes), or None: no plain job has this
+        id. A `str` enum: ``== "cancelling"`` still works.
 
         Build jobs cannot be cancelled (docs/rules.md has no such state: their
         targets' rules decide how they end); their ids return None.
         """
-        state: str | None = await self.db.fetchval(Q.plain_cancel, job_id)
-        return state
+        return await cancel_plain_job(self.db, job_id)
 
     async def enqueue_many(
         self,

@@ -74,6 +74,26 @@ def _plant(monkeypatch: pytest.MonkeyPatch, module: ModuleType, **changes: tuple
 ORDER = ("AND priority = priorities.priority", "AND priority >= priorities.priority")
 DUE = ("AND run_at <= now()", "")
 
+#: The cancel before issue #20: one statement of three parts sharing one snapshot.
+#: When a claim holds the row, the part that waits finds it running and changes
+#: nothing, the others saw it available: no row, "no such job", and the job runs.
+THREE_PART_CANCEL = """
+WITH waiting AS (
+    UPDATE nasiko_queue_jobs
+    SET state = 'cancelled', finished_at = now(), error_msg = 'cancelled'
+    WHERE id = $1 AND state = 'available'
+    RETURNING 'cancelled'::text AS state
+), running AS (
+    UPDATE nasiko_queue_jobs SET cancel_requested = true
+    WHERE id = $1 AND state = 'running'
+    RETURNING 'cancelling'::text AS state
+)
+SELECT state FROM waiting
+UNION ALL SELECT state FROM running
+UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
+          WHERE id = $1 AND state NOT IN ('available', 'running')
+"""
+
 MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # The claim takes the job due first, whatever its priority.
     "claim_ignores_priority": lambda mp: _plant(
@@ -102,15 +122,20 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
         mp, nasiko_queue.jobs, plain_rescue=(
             "        claim_token = NULL\n    FROM nasiko_queue_workers AS w",
             "        claim_token = NULL,\n"
-            "        attempt = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts\n"
-            "                       THEN j.attempt ELSE j.attempt - 1 END\n"
+            "        attempt = CASE WHEN nasiko_queue_run_end(j.cancel_requested,\n"
+            "                                                 j.attempt >= j.max_attempts)\n"
+            "                            = 'available' THEN j.attempt - 1 ELSE j.attempt END\n"
             "    FROM nasiko_queue_workers AS w")),
     # The dead-letter queue's retry keeps the attempts of the runs before.
     "dead_letter_retry_keeps_the_attempts": lambda mp: _plant(
         mp, nasiko_queue.job_admin, plain_requeue=("attempt = 0,", "")),
     # A crash after a cancel was asked for makes the job available again.
     "crash_after_cancel_retries": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_retry=(
-        "SET state = CASE WHEN cancel_requested THEN 'cancelled'", "SET state = CASE")),
+        "nasiko_queue_run_end(cancel_requested,", "nasiko_queue_run_end(false,")),
+    # The cancel restates its rule in three parts of one snapshot (issue #20): a
+    # cancel that waits for a claim is lost.
+    "cancel_in_three_parts": lambda mp: _plant(mp, nasiko_queue.queue, plain_cancel=(
+        "SELECT nasiko_queue_cancel($1)", THREE_PART_CANCEL)),
 }
 
 

@@ -1027,15 +1027,17 @@ FROM claimed AS c;
 -- Run $2 of job $1 crashed (raised, timed out, or no executor here): available
 -- again in $3 seconds, or discarded when it was the last attempt, or cancelled
 -- when a cancel was asked for meanwhile (as the rescue does); $4 the error, one
--- line. Returns the state written (no row: no longer ours).
+-- line. Which of the three is nasiko_queue_run_end's rule (migration 0013),
+-- decided once on the row this statement updates. Returns the state written
+-- (no row: no longer ours).
 UPDATE nasiko_queue_jobs
-SET state = CASE WHEN cancel_requested THEN 'cancelled'
-                 WHEN attempt >= max_attempts THEN 'discarded'
-                 ELSE 'available' END,
-    run_at = CASE WHEN cancel_requested OR attempt >= max_attempts THEN run_at
-                  ELSE now() + make_interval(secs => $3::double precision) END,
-    finished_at = CASE WHEN cancel_requested OR attempt >= max_attempts THEN now() END,
-    claimed_by = CASE WHEN cancel_requested OR attempt >= max_attempts THEN claimed_by END,
+SET (state, run_at, finished_at, claimed_by) = (
+        SELECT e.state,
+               CASE WHEN e.state <> 'available' THEN run_at
+                    ELSE now() + make_interval(secs => $3::double precision) END,
+               CASE WHEN e.state <> 'available' THEN now() END,
+               CASE WHEN e.state <> 'available' THEN claimed_by END
+        FROM nasiko_queue_run_end(cancel_requested, attempt >= max_attempts) AS e(state)),
     claim_token = NULL,
     error_msg = $4
 WHERE id = $1 AND attempt = $2 AND state = 'running'
@@ -1052,12 +1054,16 @@ RETURNING state;
 
 -- name: plain_reset
 -- A hard stop or the fence cut run $2 of job $1: available again at once, the
--- attempt counted; or cancelled, when a cancel was asked for meanwhile.
+-- attempt counted; or cancelled, when a cancel was asked for meanwhile
+-- (nasiko_queue_run_end's rule; a cut run is never its attempt's last word, so
+-- never discarded here: the claim after the last attempt discards it).
 UPDATE nasiko_queue_jobs
-SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'available' END,
-    finished_at = CASE WHEN cancel_requested THEN now() END,
-    error_msg = CASE WHEN cancel_requested THEN 'cancelled' ELSE error_msg END,
-    claimed_by = CASE WHEN cancel_requested THEN claimed_by END,
+SET (state, finished_at, error_msg, claimed_by) = (
+        SELECT e.state,
+               CASE WHEN e.state <> 'available' THEN now() END,
+               CASE WHEN e.state = 'cancelled' THEN 'cancelled' ELSE error_msg END,
+               CASE WHEN e.state <> 'available' THEN claimed_by END
+        FROM nasiko_queue_run_end(cancel_requested, false) AS e(state)),
     claim_token = NULL
 WHERE id = $1 AND attempt = $2 AND state = 'running';
 
@@ -1087,24 +1093,13 @@ FROM nasiko_queue_jobs
 WHERE state = 'available' AND queue = $1 AND run_at > now();
 
 -- name: plain_cancel
--- Cancel job $1: a waiting job ends `cancelled` now; a running one is asked to
--- stop (its worker sees the flag at its next heartbeat). Returns 'cancelled',
+-- Cancel job $1 (the rule is nasiko_queue_cancel, migration 0013: a locked read,
+-- then a decision on the state the row holds once no claim or run's end is in
+-- flight): a waiting job ends `cancelled` now; a running one is asked to stop
+-- (its worker sees the flag at its next heartbeat). Returns 'cancelled',
 -- 'cancelling', or 'already <state>' for a job that had already ended (nothing
--- changes); no row: no such job.
-WITH waiting AS (
-    UPDATE nasiko_queue_jobs
-    SET state = 'cancelled', finished_at = now(), error_msg = 'cancelled'
-    WHERE id = $1 AND state = 'available'
-    RETURNING 'cancelled'::text AS state
-), running AS (
-    UPDATE nasiko_queue_jobs SET cancel_requested = true
-    WHERE id = $1 AND state = 'running'
-    RETURNING 'cancelling'::text AS state
-)
-SELECT state FROM waiting
-UNION ALL SELECT state FROM running
-UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
-          WHERE id = $1 AND state NOT IN ('available', 'running');
+-- changes); NULL: no such plain job.
+SELECT nasiko_queue_cancel($1);
 
 -- name: plain_cancels_held
 -- The running jobs worker $1 holds that were asked to stop: (id, attempt).
@@ -1114,18 +1109,18 @@ WHERE claimed_by = $1 AND state = 'running' AND cancel_requested;
 -- name: plain_rescue
 -- Running jobs held by dead workers, claimed before the worker's lease ended:
 -- available again (the attempt counted), or discarded when that was their last
--- attempt, or cancelled when a cancel was asked for. NOTIFY on $1 (not NULL).
+-- attempt, or cancelled when a cancel was asked for (nasiko_queue_run_end's
+-- rule, decided on the row each update writes). NOTIFY on $1 (not NULL).
 WITH rescued AS (
     UPDATE nasiko_queue_jobs AS j
-    SET state = CASE WHEN j.cancel_requested THEN 'cancelled'
-                     WHEN j.attempt >= j.max_attempts THEN 'discarded'
-                     ELSE 'available' END,
-        finished_at = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
-                           THEN now() END,
-        error_msg = CASE WHEN j.cancel_requested THEN 'cancelled'
-                         ELSE 'the worker running it died' END,
-        claimed_by = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
-                          THEN j.claimed_by END,
+    SET (state, finished_at, error_msg, claimed_by) = (
+            SELECT e.state,
+                   CASE WHEN e.state <> 'available' THEN now() END,
+                   CASE WHEN e.state = 'cancelled' THEN 'cancelled'
+                        ELSE 'the worker running it died' END,
+                   CASE WHEN e.state <> 'available' THEN j.claimed_by END
+            FROM nasiko_queue_run_end(j.cancel_requested, j.attempt >= j.max_attempts)
+                 AS e(state)),
         claim_token = NULL
     FROM nasiko_queue_workers AS w
     WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL AND j.state = 'running'

@@ -7,7 +7,8 @@ a unique key, how many attempts, what each run does), let time pass (the
 rows' run_at moved back in SQL, never a sleep), let a real `Worker` drain the
 queue (a hung run cancelled through `Queue.cancel` and the worker's
 heartbeat, or the worker stopped hard), cancel a job, have a registered worker
-claim a job and die, run the leader's rescue, retry a dead job — and then
+claim a job and die (with a cancel of that job waiting for the claim's row lock,
+in one rule), run the leader's rescue, retry a dead job — and then
 compares every row with the model and checks the invariants:
 
 * every row's state and attempt are the model's, and an available job is due
@@ -138,6 +139,12 @@ DUPLICATE_KEYS = """
 SELECT unique_key, count(*) AS n FROM nasiko_queue_jobs
 WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
 GROUP BY unique_key HAVING count(*) > 1
+"""
+
+#: Sessions of this database waiting for a lock that backend $1 holds.
+BLOCKED_BY = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND $1::int = ANY (pg_blocking_pids(pid))
 """
 
 SNAPSHOT = """
@@ -338,12 +345,11 @@ class PlainStateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         job_id = data.draw(st.sampled_from(list(self.model.jobs)), label="job")
-        answer = self._call(self.queue.cancel, job_id)
+        result = self._call(self.queue.cancel, job_id)
         expected = self.model.cancel(job_id)
-        if answer is not None and answer.startswith("already "):
-            # main answers "already <state>" for an ended job (this branch: "<state>").
-            answer = answer.removeprefix("already ")
-        assert answer == expected, f"cancel({job_id}) said {answer!r}, the model {expected!r}"
+        # The model answers an ended job's state; the queue "already <state>".
+        answer = None if result is None else result.removeprefix("already ")
+        assert answer == expected, f"cancel({job_id}) said {result!r}, the model {expected!r}"
 
     def _dead(self) -> list[UUID]:
         return [j.id for j in self.model.in_states({DISCARDED})]
@@ -487,15 +493,65 @@ class PlainStateMachine(RuleBasedStateMachine):
             self.rescue()
 
     async def _claim_and_die(self) -> UUID | None:
+        identity = await self._doomed_worker()
+        plain = PlainJobStore(self.env.db, self.config, QUEUE, lambda: identity)
+        jobs = await plain.claim(1)
+        return jobs[0].id if jobs else None
+
+    async def _doomed_worker(self) -> UUID:
+        """A registered worker that will die: its id (claims may name it)."""
         store = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
                            known_kinds=frozenset())
         identity = WorkerIdentity(id=uuid.uuid4(), host="plain-machine", pid=0,
                                   kinds=(MachineTask.kind,))
         await store.register_worker(identity)
         self.dead[identity.id] = store
-        plain = PlainJobStore(self.env.db, self.config, QUEUE, lambda: identity.id)
-        jobs = await plain.claim(1)
-        return jobs[0].id if jobs else None
+        return identity.id
+
+    @precondition(lambda self: self.model.next_due(QUEUE) is not None)
+    @rule(rescued=st.booleans())
+    def cancel_races_a_claim(self, rescued: bool) -> None:
+        """
+        The race of issue #20: a registered worker's claim takes the next due
+        job, and the application cancels that job while the claim still holds
+        its row (the cancel waits for the claim's lock, seen in the server's
+        pg_stat_activity); the claim commits, the worker dies. The cancel must
+        answer on the claim's outcome, "cancelling", never "no such job"; the
+        rescue ends the job cancelled.
+        """
+        job = self.model.next_due(QUEUE)
+        assert job is not None
+        claimed, answer = self._call(self._claim_while_cancelling, job.id)
+        expected = self.model.claim_and_die(list(self.dead)[-1], QUEUE)
+        assert expected is not None
+        assert claimed == expected.id, (
+            f"the claim took {claimed}; the model (priority, then run_at) says {expected.id}")
+        wanted = self.model.cancel(expected.id)
+        assert answer == wanted == "cancelling", (
+            f"a cancel that waited for the claim said {answer!r}, the model {wanted!r}")
+        if rescued:
+            self.rescue()
+
+    async def _claim_while_cancelling(self, job_id: UUID) -> tuple[UUID | None, Any]:
+        worker = await self._doomed_worker()
+        db = self.env.db
+        answers: list[Any] = []
+
+        async def cancel() -> None:
+            answers.append(await self.queue.cancel(job_id))
+
+        # The claim's transaction commits on leaving; the nursery then waits for
+        # the cancel's answer.
+        async with trio.open_nursery() as nursery, db.transaction() as tx:
+            pid = await tx.fetchval("SELECT pg_backend_pid()")
+            rows = await tx.fetch(Q.plain_claim, QUEUE, 1, uuid.uuid4(), worker,
+                                  self.config.max_payload_bytes)
+            nursery.start_soon(cancel)
+            # Until the cancel waits for the claim's lock (or answered: the
+            # claim took another job, which the rule reports).
+            while not answers and not await db.fetchval(BLOCKED_BY, pid):  # noqa: ASYNC110
+                await trio.sleep(0.005)
+        return (rows[0]["id"] if rows else None), answers[0]
 
     @precondition(lambda self: any(s == "alive" for s in self.model.workers.values()))
     @rule()
