@@ -38,7 +38,7 @@ from ._sql import Q
 from .config import QueueConfig
 from .database import Database
 from .errors import OutcomeUnknown, is_connection_error, is_transient
-from .job_errors import JobError
+from .job_errors import JobError, storable
 from .payloads import raw_build_id
 from .terminalize import terminalize_target
 
@@ -264,6 +264,8 @@ class LaneStore(Protocol):
     async def reset(self, job: ClaimedJob) -> bool: ...
 
     async def record_error(self, job: ClaimedJob, error: JobError) -> None: ...
+
+    async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool: ...
 
 
 class JobStore(LaneStore, Protocol):
@@ -527,6 +529,15 @@ class PgJobStore:
             bound=self._bound)
         return row is not None
 
+    async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool:
+        """
+        A finish the database refused on its merits, alone too (the completer's
+        last fallback). A build job's `error_msg` holds only the fixed strings
+        of docs/rules.md §5, so nothing is written: False, and the row is left
+        `in_progress` for the rescue once this worker stops (or the sweep).
+        """
+        return False
+
     async def recover(self) -> RecoveryResult:
         """
         The two recovery steps of docs/rules.md §7.
@@ -645,8 +656,9 @@ class PgJobStore:
         """Keep a crashed attempt's error (`nasiko_queue_job_errors`)."""
         await self._db.run_bounded(
             lambda conn: conn.execute(Q.job_error_insert, job.id, error.attempt, self.worker_id,
-                                      error.reason, error.error_type, error.message,
-                                      error.traceback, timeout=self._bound),
+                                      error.reason, storable(error.error_type),
+                                      storable(error.message), storable(error.traceback),
+                                      timeout=self._bound),
             bound=self._bound)
 
     async def rescue(self) -> RescueResult:
