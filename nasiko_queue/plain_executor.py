@@ -183,11 +183,14 @@ class PlainJobExecutor(Slots[PlainJobStore]):
                 refusal[:] = [exc]
                 raise
 
+        cause: list[str] = []
+
         async def discarded() -> T:
-            cause = one_line(refusal[0]) if refusal else "refused"
-            log.error("job %s: could not record the outcome (%s); discarding it", job.id,
-                      cause)
-            return await discard(minimal_text(UNRECORDED + cause))
+            if not cause:  # logged once, whatever the tries
+                cause.append(one_line(refusal[0]) if refusal else "refused")
+                log.error("job %s: could not record the outcome (%s); discarding it", job.id,
+                          cause[0])
+            return await discard(minimal_text(UNRECORDED + cause[0]))
 
         try:
             return await self.retry.final(what, lambda: remember(op),
