@@ -138,6 +138,11 @@ class RecoveryResult:
     #: Stuck jobs with no attempts left that met a lock or a conflict (a lock
     #: timeout, a deadlock); they are tried again at the next sweep.
     skipped: int = 0
+    #: Stuck plain jobs (running past the limit, no live worker holds them)
+    #: now available again, attempt counted.
+    plain_reset: int = 0
+    #: Stuck plain jobs discarded (it was their last attempt) or cancelled.
+    plain_ended: int = 0
 
 
 @attrs.frozen
@@ -548,7 +553,10 @@ class PgJobStore:
         that meets a lock or a conflict is left for the next sweep, and neither
         holds back the others. An outage aborts the sweep (the caller retries).
         Then the stuck jobs with attempts left go back to pending in one
-        statement. Any number of replicas may sweep at once.
+        statement. Last, plain jobs get the same rule in one statement
+        (`plain_sweep_stuck`): running past `stuck_job_mins` with no live worker
+        holding them, available again, or discarded on their last attempt, or
+        cancelled if asked. Any number of replicas may sweep at once.
         """
         mins = self._config.stuck_job_mins
         max_attempts = self._config.max_attempts
@@ -567,13 +575,20 @@ class PgJobStore:
         row = await self._db.fetchrow(Q.jobs_reset_stuck, mins, max_attempts,
                                       self._config.notify_channel)
         reset = int(row["reset"]) if row is not None else 0
+        row = await self._db.fetchrow(Q.plain_sweep_stuck, mins, self._config.notify_channel)
+        plain_reset = int(row["reset"]) if row is not None else 0
+        plain_ended = int(row["ended"]) if row is not None else 0
+        if plain_reset or plain_ended:
+            log.warning("recovery: %d stuck plain job(s) available again, %d discarded or "
+                        "cancelled", plain_reset, plain_ended)
         if failed:
             log.warning("recovery: %d stuck job(s) had no attempts left and failed", failed)
         if reset:
             log.warning("recovery: %d stuck job(s) reset to pending", reset)
         if skipped:
             log.warning("recovery: %d stuck job(s) met a lock or a conflict; next sweep", skipped)
-        return RecoveryResult(failed=failed, reset=reset, skipped=skipped)
+        return RecoveryResult(failed=failed, reset=reset, skipped=skipped,
+                              plain_reset=plain_reset, plain_ended=plain_ended)
 
     async def _fail_stuck(self, row: asyncpg.Record, *, held_by: UUID | None = None) -> str:
         """
