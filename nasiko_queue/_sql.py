@@ -115,6 +115,7 @@ class Queries:
     plain_cancel: str
     plain_cancels_held: str
     plain_rescue: str
+    plain_sweep_stuck: str
     plain_prune: str
     plain_get: str
     deleted_build_jobs_prune: str

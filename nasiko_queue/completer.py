@@ -20,7 +20,13 @@ own.
 A batch that fails is sent again under the retry policy (`RetryPolicy.final`):
 each finish is guarded by its claim, so one that landed on an earlier try is
 not written twice. Only the first try claims: a retry, or the last try of a hard
-stop, would claim jobs that nobody takes if its answer were lost.
+stop, would claim jobs that nobody takes if its answer were lost. A batch the
+database refuses on its merits (an application's trigger: retrying cannot
+change the answer) is sent again one finish at a time, without claims or start
+writes; a finish refused alone is given up (`LaneStore.discard_unrecorded`: a
+plain job is discarded "could not record the outcome: ..."; a build job, whose
+error_msg holds fixed strings only, is left for the rescue once its worker
+stops), logged. So no finish wedges the lane.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from uuid import UUID
 
 import trio
 
-from .errors import OutcomeUnknown
+from .errors import FinalWriteRefused, OutcomeUnknown
+from .job_errors import minimal_text
 from .jobs import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore, Starting
-from .retry import RetryPolicy
+from .retry import RetryPolicy, one_line
 from .state import START_WRITE_DELAY, Finish, LaneState
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -115,11 +122,50 @@ class Completer:
                 self.on_lost_claim(exc)  # given back; the finishes are sent again
                 raise OutcomeUnknown(str(exc)) from exc
 
-        statuses, claimed = await self.retry.final("finish", send_once)
+        async def one_by_one() -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
+            if starting:
+                log.error("%d start write(s) dropped: their batch was refused", len(starting))
+                starting.clear()
+            statuses: dict[UUID, JobStatus | None] = {}
+            for finish in batch:
+                statuses.update(await self._finish_alone(finish))
+            return statuses, []
+
+        statuses, claimed = await self.retry.final("finish", send_once, fallbacks=[one_by_one])
         self.record(batch, statuses)
         if starting:
             self.state.stats.marked_building += len(starting)
         return claimed
+
+    async def _finish_alone(self, finish: Finish) -> dict[UUID, JobStatus | None]:
+        """One finish of a refused batch, alone; refused again, given up (logged)."""
+        job = finish.job
+        refusal: list[BaseException] = []
+
+        async def alone() -> dict[UUID, JobStatus | None]:
+            try:
+                statuses, _ = await self.store.finish_many_and_claim(
+                    [(job, finish.build_id, finish.report)], 0)
+            except Exception as exc:
+                refusal[:] = [exc]
+                raise
+            return statuses
+
+        async def give_up() -> dict[UUID, JobStatus | None]:
+            why = one_line(refusal[0]) if refusal else "refused"
+            log.error("job %s: could not record the outcome (%s)", job.id, why)
+            if await self.store.discard_unrecorded(
+                    job, minimal_text(f"could not record the outcome: {why}")):
+                log.error("job %s: discarded", job.id)
+            return {}
+
+        try:
+            return await self.retry.final("finish", alone, fallbacks=[give_up])
+        except FinalWriteRefused as exc:
+            log.error("job %s: could not record the outcome, nor discard it (%s); left for "
+                      "the rescue once this worker stops", job.id,
+                      one_line(exc.__cause__ or exc))
+            return {}
 
     def record(self, batch: list[Finish], statuses: dict[UUID, JobStatus | None]) -> None:
         stats = self.state.stats

@@ -71,6 +71,21 @@ class OutcomeUnknown(NasikoQueueError):
         self.backend_pid = backend_pid
 
 
+class FinalWriteRefused(NasikoQueueError):
+    """
+    A final write (a job's outcome) was refused on its merits, and so was
+    every fallback given for it: retrying would not change the answer.
+
+    Raised by `RetryPolicy.final`; `__cause__` is the last refusal. The caller
+    logs it and goes on: the row stays as it was (a running job is given back
+    by the rescue once its worker stops or dies).
+    """
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what} update refused: {type(cause).__name__}: {cause}")
+        self.what = what
+
+
 # -- what is worth retrying ------------------------------------------------------------
 #
 # One list, used by the worker (final updates, claims), the recovery sweep and the

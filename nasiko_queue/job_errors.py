@@ -12,6 +12,7 @@ in an exception message does not write it to the database.
 
 from __future__ import annotations
 
+import re
 import traceback as tb
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -33,6 +34,31 @@ MAX_TRACEBACK = 8_000
 #: blank every such letter of the traceback); real secrets are longer.
 MIN_MASKED = 4
 MASK = "********"
+#: What PostgreSQL text cannot hold in any database: the NUL character (refused
+#: outright), and lone surrogates (a Python string may hold them; they have no
+#: UTF-8 form, so the client cannot even send them). A database in a narrower
+#: encoding than UTF-8 refuses more; the minimal outcome (`minimal_text`) is
+#: plain ASCII for that.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """
+    `text` as PostgreSQL text can store it: a NUL becomes the four characters
+    ``\\x00`` (visible, as Python would print it) and a lone surrogate U+FFFD.
+    Every error text nasiko-queue stores passes through here, so that what an
+    executor raised can never make the row's write fail.
+    """
+    if _UNSTORABLE.search(text) is None:  # the usual case: no copy
+        return text
+    return _UNSTORABLE.sub(lambda m: "\\x00" if m.group() == "\x00" else "\ufffd", text)
+
+
+def minimal_text(text: str, limit: int = 200) -> str:
+    """`text` as any database stores it: printable ASCII (others escaped), bounded;
+    for an outcome written again after the database refused it."""
+    escaped = "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text[:limit])
+    return escaped if len(text) <= limit else escaped + "..."
 
 
 @attrs.frozen(kw_only=True)
@@ -58,7 +84,7 @@ def one_line_error(error: JobError, limit: int = 500) -> str:
     """The error as one line, for a row's `error_msg`: "Type: message", bounded."""
     name = error.error_type.rpartition(".")[2] or error.error_type
     first = error.message.splitlines()[0] if error.message else ""
-    line = f"{name}: {first}" if first else name
+    line = storable(f"{name}: {first}" if first else name)
     return line if len(line) <= limit else line[:limit] + "…"
 
 
@@ -95,15 +121,15 @@ def describe(exc: BaseException, *, attempt: int, reason: str,
             text = text.replace(secret, MASK)
         return text
 
-    message = mask(str(exc))
-    trace = mask("".join(tb.format_exception(exc)))
+    message = storable(mask(str(exc)))
+    trace = storable(mask("".join(tb.format_exception(exc))))
     if len(message) > MAX_MESSAGE:
         message = message[:MAX_MESSAGE] + f"… ({len(message) - MAX_MESSAGE} characters cut)"
     if len(trace) > MAX_TRACEBACK:
         trace = f"… ({len(trace) - MAX_TRACEBACK} characters cut)\n" + trace[-MAX_TRACEBACK:]
     kind = type(exc)
     return JobError(attempt=attempt, reason=reason,
-                    error_type=f"{kind.__module__}.{kind.__qualname__}",
+                    error_type=storable(f"{kind.__module__}.{kind.__qualname__}"),
                     message=message, traceback=trace)
 
 

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from uuid import UUID
 
-from .errors import InvalidPayload
+from .errors import FinalWriteRefused, InvalidPayload
 from .executors import JobContext, RunReport
 from .job_errors import secret_values
 from .jobs import (
@@ -40,6 +40,7 @@ from .jobs import (
     JobStore,
 )
 from .payloads import Payload, Target
+from .retry import one_line
 from .slots import Ran, Slots, label_of
 from .state import Finish
 
@@ -133,7 +134,13 @@ class JobExecutor(Slots[JobStore]):
         if job.old_attempt + 1 >= self.config.max_attempts:
             await self._fail(job, JOB_PANICKED, own_build_id=build_id)
         else:
-            await self.retry.final("reset", lambda: self.store.reset(job))
+            try:
+                await self.retry.final("reset", lambda: self.store.reset(job))
+            except FinalWriteRefused as exc:  # an application's rule; never an input of ours
+                log.error("job %s: could not record the outcome (%s); left in_progress, for "
+                          "the rescue once this worker stops", job.id,
+                          one_line(exc.__cause__ or exc))
+                return
             # Retry at once. With one slot the drain's next claim takes it anyway;
             # with more, the drain may already have ended, so ask for another.
             self.wake()
@@ -146,11 +153,17 @@ class JobExecutor(Slots[JobStore]):
                 job, message, own_build_id=own_build_id, terminalize=terminalize
             )
 
-        ours = await self.retry.final(
-            "fail",
-            fail(terminalize),
-            # The target's terminalization is refused for good: mark the job alone.
-            fallback=fail(False) if terminalize else None,
-        )
+        try:
+            ours = await self.retry.final(
+                "fail",
+                fail(terminalize),
+                # The target's terminalization is refused for good: mark the job alone.
+                fallbacks=[fail(False)] if terminalize else (),
+            )
+        except FinalWriteRefused as exc:  # an application's rule; never an input of ours
+            log.error("job %s: could not record the outcome %r (%s); left in_progress, for "
+                      "the rescue once this worker stops", job.id, message,
+                      one_line(exc.__cause__ or exc))
+            return
         if ours:
             self.state.stats.failed += 1

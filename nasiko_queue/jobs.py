@@ -38,7 +38,7 @@ from ._sql import Q
 from .config import QueueConfig
 from .database import Database
 from .errors import OutcomeUnknown, is_connection_error, is_transient
-from .job_errors import JobError
+from .job_errors import JobError, storable
 from .payloads import raw_build_id
 from .terminalize import terminalize_target
 
@@ -138,6 +138,11 @@ class RecoveryResult:
     #: Stuck jobs with no attempts left that met a lock or a conflict (a lock
     #: timeout, a deadlock); they are tried again at the next sweep.
     skipped: int = 0
+    #: Stuck plain jobs (running past the limit, no live worker holds them)
+    #: now available again, attempt counted.
+    plain_reset: int = 0
+    #: Stuck plain jobs discarded (it was their last attempt) or cancelled.
+    plain_ended: int = 0
 
 
 @attrs.frozen
@@ -264,6 +269,8 @@ class LaneStore(Protocol):
     async def reset(self, job: ClaimedJob) -> bool: ...
 
     async def record_error(self, job: ClaimedJob, error: JobError) -> None: ...
+
+    async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool: ...
 
 
 class JobStore(LaneStore, Protocol):
@@ -527,6 +534,15 @@ class PgJobStore:
             bound=self._bound)
         return row is not None
 
+    async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool:
+        """
+        A finish the database refused on its merits, alone too (the completer's
+        last fallback). A build job's `error_msg` holds only the fixed strings
+        of docs/rules.md §5, so nothing is written: False, and the row is left
+        `in_progress` for the rescue once this worker stops (or the sweep).
+        """
+        return False
+
     async def recover(self) -> RecoveryResult:
         """
         The two recovery steps of docs/rules.md §7.
@@ -537,7 +553,10 @@ class PgJobStore:
         that meets a lock or a conflict is left for the next sweep, and neither
         holds back the others. An outage aborts the sweep (the caller retries).
         Then the stuck jobs with attempts left go back to pending in one
-        statement. Any number of replicas may sweep at once.
+        statement. Last, plain jobs get the same rule in one statement
+        (`plain_sweep_stuck`): running past `stuck_job_mins` with no live worker
+        holding them, available again, or discarded on their last attempt, or
+        cancelled if asked. Any number of replicas may sweep at once.
         """
         mins = self._config.stuck_job_mins
         max_attempts = self._config.max_attempts
@@ -556,13 +575,20 @@ class PgJobStore:
         row = await self._db.fetchrow(Q.jobs_reset_stuck, mins, max_attempts,
                                       self._config.notify_channel)
         reset = int(row["reset"]) if row is not None else 0
+        row = await self._db.fetchrow(Q.plain_sweep_stuck, mins, self._config.notify_channel)
+        plain_reset = int(row["reset"]) if row is not None else 0
+        plain_ended = int(row["ended"]) if row is not None else 0
+        if plain_reset or plain_ended:
+            log.warning("recovery: %d stuck plain job(s) available again, %d discarded or "
+                        "cancelled", plain_reset, plain_ended)
         if failed:
             log.warning("recovery: %d stuck job(s) had no attempts left and failed", failed)
         if reset:
             log.warning("recovery: %d stuck job(s) reset to pending", reset)
         if skipped:
             log.warning("recovery: %d stuck job(s) met a lock or a conflict; next sweep", skipped)
-        return RecoveryResult(failed=failed, reset=reset, skipped=skipped)
+        return RecoveryResult(failed=failed, reset=reset, skipped=skipped,
+                              plain_reset=plain_reset, plain_ended=plain_ended)
 
     async def _fail_stuck(self, row: asyncpg.Record, *, held_by: UUID | None = None) -> str:
         """
@@ -645,8 +671,9 @@ class PgJobStore:
         """Keep a crashed attempt's error (`nasiko_queue_job_errors`)."""
         await self._db.run_bounded(
             lambda conn: conn.execute(Q.job_error_insert, job.id, error.attempt, self.worker_id,
-                                      error.reason, error.error_type, error.message,
-                                      error.traceback, timeout=self._bound),
+                                      error.reason, storable(error.error_type),
+                                      storable(error.message), storable(error.traceback),
+                                      timeout=self._bound),
             bound=self._bound)
 
     async def rescue(self) -> RescueResult:

@@ -7,7 +7,9 @@ that the worker starts in its nursery:
 
 * `StuckJobSweeper` — the recovery sweep of docs/rules.md §7: jobs stuck
   `in_progress` past `stuck_job_mins` go back to pending, or fail and terminalize
-  when out of attempts. Every `recovery_interval`, the first one period after
+  when out of attempts; plain jobs `running` past it that no live worker holds
+  go back to available, or are discarded on their last attempt (cancelled if
+  asked). Every `recovery_interval`, the first one period after
   start, missed ticks skipped, never replayed.
 * `Pruner` — retention: deletes finished jobs older than `QueueConfig.retention`,
   after each sweep.

@@ -15,24 +15,57 @@ The steps, in order:
    return completes the job (the completer's batched statement); a crash or a
    timeout makes it available again after its backoff, or discards it on its
    last attempt; a cancel request stops it and ends it `cancelled`.
+
+Every outcome written here (a retry, an end) cannot wedge the slot: its error
+text is storable (`job_errors.storable`), its backoff clamped to what an
+interval holds (`clamp_backoff`), and a write the database still refuses on its
+merits (an application's trigger, a narrower encoding) is written again as a
+minimal one (plain ASCII text; for a retry, `BACKOFF_FALLBACK`), then as a
+discard, "could not record the outcome: ..."; if even that is refused, it is
+logged and the row left running, for the rescue once this worker stops. An
+outage is retried for as long as it lasts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from uuid import UUID
 
-from .errors import InvalidPayload
+from .errors import FinalWriteRefused, InvalidPayload
 from .executors import PlainJobContext
 from .job_args import JobArgs
-from .job_errors import JobError, one_line_error, secret_values
+from .job_errors import JobError, minimal_text, one_line_error, secret_values
 from .jobs import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED, ClaimedJob
 from .plain_jobs import CANCELLED, DISCARDED, PlainJobStore
+from .retry import one_line
 from .slots import Ran, Slots, label_of
 from .state import Finish
 
 log = logging.getLogger("nasiko_queue.worker")
+
+T = TypeVar("T")
+
+#: The longest backoff kept, in seconds (a year): a longer one, or an infinite
+#: one, waits this long. PostgreSQL's interval and timestamp ranges end far
+#: beyond it; a backoff past them could not be written at all.
+MAX_BACKOFF = 365 * 86_400.0
+#: The backoff, in seconds, of a retry whose backoff function raised or
+#: returned no number (NaN); also of a retry written again as a minimal one.
+BACKOFF_FALLBACK = 60.0
+#: The error of a job discarded because the database refused its outcome.
+UNRECORDED = "could not record the outcome: "
+
+
+def clamp_backoff(delay: float) -> float | None:
+    """A backoff as the retry writes it: within [0, `MAX_BACKOFF`] (negative: at
+    once; too long or infinite: `MAX_BACKOFF`); None for NaN (no delay at all)."""
+    if math.isnan(delay):
+        return None
+    return min(max(delay, 0.0), MAX_BACKOFF)
 
 
 class PlainJobExecutor(Slots[PlainJobStore]):
@@ -112,16 +145,69 @@ class PlainJobExecutor(Slots[PlainJobStore]):
                         exc if isinstance(exc, InvalidPayload) else type(exc).__name__)
             return None
 
-    async def _retry(self, job: ClaimedJob, error: JobError) -> None:
+    def _backoff(self, job: ClaimedJob) -> float:
+        """The job's backoff after this attempt, clamped; `BACKOFF_FALLBACK` (logged)
+        when its function raised or returned no number."""
         assert job.kind is not None
         try:
-            delay = float(self.executors.backoff_for(job.kind)(job.attempt))
+            asked = float(self.executors.backoff_for(job.kind)(job.attempt))
         except Exception:
-            log.exception("job %s: the backoff of kind %r raised; retrying in 60s", job.id,
-                          job.kind)
-            delay = 60.0
+            log.exception("job %s: the backoff of kind %r raised; retrying in %.0fs", job.id,
+                          job.kind, BACKOFF_FALLBACK)
+            return BACKOFF_FALLBACK
+        delay = clamp_backoff(asked)
+        if delay is None:
+            log.error("job %s: the backoff of kind %r returned %r; retrying in %.0fs", job.id,
+                      job.kind, asked, BACKOFF_FALLBACK)
+            return BACKOFF_FALLBACK
+        if delay != asked and delay > 0:
+            log.warning("job %s: the backoff of kind %r returned %r; waiting %.0fs (the "
+                        "longest kept)", job.id, job.kind, asked, delay)
+        return delay
+
+    async def _final(self, job: ClaimedJob, what: str, op: Callable[[], Awaitable[T]],
+                     minimal: Callable[[], Awaitable[T]],
+                     discard: Callable[[str], Awaitable[T]]) -> T | None:
+        """
+        Write one outcome under the retry policy: `op`, then `minimal` (the same
+        outcome, minimal text), then `discard` (with the last refusal's text),
+        each once refused `terminalize_tries` times. None (logged) when even the
+        discard is refused: the row stays running, for the rescue.
+        """
+        refusal: list[BaseException] = []
+
+        async def remember(call: Callable[[], Awaitable[T]]) -> T:
+            try:
+                return await call()
+            except Exception as exc:
+                refusal[:] = [exc]
+                raise
+
+        cause: list[str] = []
+
+        async def discarded() -> T:
+            if not cause:  # logged once, whatever the tries
+                cause.append(one_line(refusal[0]) if refusal else "refused")
+                log.error("job %s: could not record the outcome (%s); discarding it", job.id,
+                          cause[0])
+            return await discard(minimal_text(UNRECORDED + cause[0]))
+
+        try:
+            return await self.retry.final(what, lambda: remember(op),
+                                          fallbacks=[lambda: remember(minimal), discarded])
+        except FinalWriteRefused as exc:
+            log.error("job %s: could not record the outcome, nor discard it (%s); left "
+                      "running, for the rescue once this worker stops", job.id,
+                      one_line(exc.__cause__ or exc))
+            return None
+
+    async def _retry(self, job: ClaimedJob, error: JobError) -> None:
+        delay = self._backoff(job)
         line = one_line_error(error)
-        state = await self.retry.final("retry", lambda: self.store.retry(job, delay, line))
+        state = await self._final(
+            job, "retry", lambda: self.store.retry(job, delay, line),
+            lambda: self.store.retry(job, BACKOFF_FALLBACK, minimal_text(line)),
+            lambda why: self._discard(job, why))
         if state == DISCARDED:
             self.state.stats.failed += 1
             log.error("job %s: discarded after %d attempt(s): %s", job.id, job.attempt, line)
@@ -134,8 +220,14 @@ class PlainJobExecutor(Slots[PlainJobStore]):
             if delay <= 0:
                 self.wake()
 
+    async def _discard(self, job: ClaimedJob, why: str) -> str | None:
+        return DISCARDED if await self.store.end(job, DISCARDED, why) else None
+
     async def _end(self, job: ClaimedJob, state: str, error: str | None) -> None:
-        if await self.retry.final("end", lambda: self.store.end(job, state, error)):
+        text = None if error is None else minimal_text(error)
+        if await self._final(job, "end", lambda: self.store.end(job, state, error),
+                             lambda: self.store.end(job, state, text),
+                             lambda why: self.store.end(job, DISCARDED, why)):
             if state == CANCELLED:
                 self.state.stats.cancelled += 1
             else:

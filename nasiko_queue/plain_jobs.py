@@ -22,7 +22,7 @@ import asyncpg
 from ._sql import Q
 from .config import QueueConfig
 from .database import Database
-from .job_errors import JobError
+from .job_errors import JobError, storable
 from .jobs import (
     ClaimedJob,
     Finishing,
@@ -136,7 +136,7 @@ class PlainJobStore:
         was the job's last attempt. Returns the state written; None when the
         job is no longer ours.
         """
-        args = (job.id, job.attempt, delay, error)
+        args = (job.id, job.attempt, delay, storable(error))
         state: str | None = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_retry, *args, timeout=self._bound),
             bound=self._bound)
@@ -144,11 +144,16 @@ class PlainJobStore:
 
     async def end(self, job: ClaimedJob, state: str, error: str | None) -> bool:
         """End the run for good: `DISCARDED` or `CANCELLED`; False if no longer ours."""
-        args = (job.id, job.attempt, state, error)
+        args = (job.id, job.attempt, state, None if error is None else storable(error))
         written = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_end, *args, timeout=self._bound),
             bound=self._bound)
         return written is not None
+
+    async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool:
+        """A finish the database refused on its merits, alone too: discarded with
+        `why` ("could not record the outcome: ..."); False if no longer ours."""
+        return await self.end(job, DISCARDED, why)
 
     async def reset(self, job: ClaimedJob) -> bool:
         """A hard stop or the fence cut the run: available again, attempt counted."""
@@ -165,8 +170,9 @@ class PlainJobStore:
         worker = self._worker_id()
         await self._db.run_bounded(
             lambda conn: conn.execute(Q.job_error_insert, job.id, error.attempt, worker,
-                                      error.reason, error.error_type, error.message,
-                                      error.traceback, timeout=self._bound),
+                                      error.reason, storable(error.error_type),
+                                      storable(error.message), storable(error.traceback),
+                                      timeout=self._bound),
             bound=self._bound)
 
     async def next_due(self) -> float | None:

@@ -8,22 +8,27 @@ would run a finished build again. Each try is shielded from a hard stop and
 bounded by `cleanup_timeout` in the store; only the pause between tries can be
 cancelled, and then one last try is made.
 
-What is retried is one list (`errors.is_transient`); an update the database
-refuses on its merits (a trigger, a constraint) falls back, when the caller gives
-a fallback, after `terminalize_tries` refusals, so that one target the database
-will not delete cannot wedge the worker.
+What is retried for as long as it lasts is one list (`errors.is_transient`:
+outages, deadlocks, lock time-outs). An update the database refuses on its
+merits (a trigger, a constraint, a value it cannot hold) is tried
+`terminalize_tries` times, then the caller's fallbacks take over in order (a
+job's outcome written as a minimal one, then the job ended with "could not
+record the outcome"), each with the same number of tries; when the last is
+refused too, `FinalWriteRefused` is raised for the caller to log. So no input
+and no rule of the application's can wedge a slot on one job.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import trio
 
 from .config import QueueConfig
-from .errors import is_transient
+from .errors import FinalWriteRefused, is_transient
+from .job_errors import storable
 
 log = logging.getLogger("nasiko_queue.worker")
 
@@ -41,11 +46,16 @@ class RetryPolicy:
         what: str,
         op: Callable[[], Awaitable[T]],
         *,
-        fallback: Callable[[], Awaitable[T]] | None = None,
+        fallbacks: Sequence[Callable[[], Awaitable[T]]] = (),
     ) -> T:
-        """Run `op` until it succeeds; `fallback` takes over after repeated refusals."""
+        """
+        Run `op` until it succeeds, through outages; after `terminalize_tries`
+        refusals on the merits, the next of `fallbacks` takes over; after as
+        many of the last one, raise `FinalWriteRefused` (from the refusal).
+        """
         delay = self.config.retry_initial_delay
         rejected = 0
+        remaining = list(fallbacks)
         while True:
             with trio.CancelScope(shield=True):
                 try:
@@ -54,10 +64,12 @@ class RetryPolicy:
                     failure: BaseException = exc
             if not is_transient(failure):
                 rejected += 1
-                if fallback is not None and rejected >= self.config.terminalize_tries:
+                if rejected >= self.config.terminalize_tries:
+                    if not remaining:
+                        raise FinalWriteRefused(what, failure) from failure
                     log.error("%s update rejected %d times (%s); falling back", what, rejected,
                               one_line(failure))
-                    op, fallback, rejected = fallback, None, 0
+                    op, rejected = remaining.pop(0), 0
                     continue
             log.warning("%s update failed (%s); retrying in %.2fs", what, one_line(failure),
                         delay, exc_info=failure)
@@ -77,4 +89,4 @@ class RetryPolicy:
 def one_line(exc: BaseException) -> str:
     """`Type: first line of the message`, for log lines."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return storable(f"{type(exc).__name__}: {text[0] if text else ''}")

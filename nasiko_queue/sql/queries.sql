@@ -1134,6 +1134,47 @@ SELECT count(*) FILTER (WHERE state = 'available') AS rescued,
             THEN pg_notify($1, '') END AS notified
 FROM rescued;
 
+-- name: plain_sweep_stuck
+-- The stuck-row rule of plain jobs (the recovery sweep, as `jobs_reset_stuck`
+-- for build jobs): running jobs claimed more than $1 minutes ago that no live
+-- worker holds (`claimed_by` NULL, naming no worker row, or a worker declared
+-- dead; the rescue's rule leaves out claims sent after a worker's death, as by
+-- a worker resumed from a pause) go back to available (the attempt counted), or
+-- are discarded when that was their last attempt, or cancelled when a cancel
+-- was asked for. A live worker's jobs run as long as it lives. Rows another
+-- session holds are skipped (the outcome is nasiko_queue_run_end's rule, as for
+-- the rescue). NOTIFY on $2 (not NULL) if any went back.
+WITH stuck AS (
+    SELECT id
+    FROM nasiko_queue_jobs AS j
+    WHERE state = 'running'
+      AND attempted_at < now() - make_interval(mins => $1)
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w
+                      WHERE w.id = j.claimed_by AND w.dead_at IS NULL)
+    ORDER BY id
+    FOR UPDATE SKIP LOCKED
+), swept AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET (state, finished_at, error_msg, claimed_by) = (
+            SELECT e.state,
+                   CASE WHEN e.state <> 'available' THEN now() END,
+                   CASE WHEN e.state = 'cancelled' THEN 'cancelled'
+                        ELSE 'stuck: running past the stuck-job limit with no live worker'
+                   END,
+                   CASE WHEN e.state <> 'available' THEN j.claimed_by END
+            FROM nasiko_queue_run_end(j.cancel_requested, j.attempt >= j.max_attempts)
+                 AS e(state)),
+        claim_token = NULL
+    FROM stuck
+    WHERE j.id = stuck.id AND j.state = 'running'
+    RETURNING j.state
+)
+SELECT count(*) FILTER (WHERE state = 'available') AS reset,
+       count(*) FILTER (WHERE state <> 'available') AS ended,
+       CASE WHEN count(*) FILTER (WHERE state = 'available') > 0 AND $2::text IS NOT NULL
+            THEN pg_notify($2, '') END AS notified
+FROM swept;
+
 -- name: plain_prune
 -- Retention: delete up to $2 plain jobs that ended (completed, discarded,
 -- cancelled) more than $1 (an interval) ago. Their kept errors go by age with
