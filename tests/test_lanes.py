@@ -247,6 +247,9 @@ class GatedStore(PgJobStore):
 async def _declare_dead(db: Database, worker: Worker) -> None:
     """What a leader does to a worker paused past its lease; the worker's next
     heartbeat learns it and fences (then registers anew)."""
+    # The heartbeat's own first beat, sent at start, must have landed: answered
+    # after the row below, it would fence the worker a second time.
+    await worker.wait_for(lambda s: s.heartbeats >= 1)
     me = worker.heartbeat.identity
     assert me is not None
     await db.execute("UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1", me.id)
