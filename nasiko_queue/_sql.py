@@ -9,6 +9,7 @@ from the fields below), never a KeyError in the middle of a drain.
 from __future__ import annotations
 
 import re
+from functools import partial
 from importlib import resources
 
 import attrs
@@ -156,6 +157,11 @@ class Queries:
 _DERIVED = re.compile(r"\A-- derived from (\w+): its pending ids are these instead\.\n")
 #: The pending-ids subquery of a base statement, between these two comment lines.
 _PENDING_IDS = re.compile(r"(-- pending ids:\n)(.*?)(\s*-- end of pending ids\n)", re.DOTALL)
+#: A line that stands for a whole earlier statement (its comments left out), with
+#: its parameters renumbered: ``-- include plain_claim, its $1-$5 as $3-$7``.
+_INCLUDE = re.compile(r"^([ \t]*)-- include (\w+), its \$1-\$(\d+) as \$(\d+)-\$(\d+)$",
+                      re.MULTILINE)
+_PARAMETER = re.compile(r"\$(\d+)")
 
 
 def parse(text: str) -> dict[str, str]:
@@ -166,6 +172,11 @@ def parse(text: str) -> dict[str, str]:
     these instead.`` is BASE with the subquery between BASE's ``-- pending ids:``
     and ``-- end of pending ids`` lines replaced by its own body: the two
     finish-and-claim statements share every line but their claim's.
+
+    A line ``-- include NAME, its $1-$N as $A-$B`` stands for the earlier statement
+    NAME, written in at the line's indentation without its leading comments, its
+    parameters $1 to $N renumbered $A to $B: the plain finish-and-claim statement
+    claims with `plain_claim`'s text.
     """
     parts = _NAME.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
@@ -176,10 +187,29 @@ def parse(text: str) -> dict[str, str]:
         body = body.strip().rstrip(";").strip()
         derived = _DERIVED.match(body + "\n")
         if derived:
-            out[name] = _derive(name, derived.group(1), body, out)
-        else:
-            out[name] = body
+            body = _derive(name, derived.group(1), body, out)
+        out[name] = _INCLUDE.sub(partial(_include, name, parsed=out), body)
     return out
+
+
+def _include(name: str, line: re.Match[str], *, parsed: dict[str, str]) -> str:
+    indent, included = line.group(1), line.group(2)
+    last, first_as, last_as = (int(line.group(i)) for i in (3, 4, 5))
+    text = parsed.get(included)
+    if text is None:
+        raise ValueError(f"queries.sql: {name!r} includes {included!r}, "
+                         "which must come before it")
+    lines = text.splitlines()
+    while lines and lines[0].startswith("--"):
+        lines.pop(0)
+    used = {int(n) for n in _PARAMETER.findall("\n".join(lines))}
+    if used != set(range(1, last + 1)) or last_as - first_as != last - 1:
+        raise ValueError(f"queries.sql: {name!r} includes {included!r} with its $1-${last} "
+                         f"as ${first_as}-${last_as}, but it takes "
+                         + ", ".join(f"${n}" for n in sorted(used)))
+    shift = first_as - 1
+    renumbered = _PARAMETER.sub(lambda m: f"${int(m.group(1)) + shift}", "\n".join(lines))
+    return "\n".join(indent + row if row else row for row in renumbered.splitlines())
 
 
 def _derive(name: str, base_name: str, body: str, parsed: dict[str, str]) -> str:

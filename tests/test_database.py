@@ -287,3 +287,33 @@ def test_the_kinds_finish_statement_is_the_base_with_its_claim_replaced() -> Non
     assert "WITH RECURSIVE present" not in base
     with pytest.raises(ValueError, match="must come before it"):
         parse("-- name: b\n-- derived from a: its pending ids are these instead.\nSELECT 1;\n")
+
+
+def test_the_plain_finish_claims_with_the_text_of_plain_claim() -> None:
+    """`plain_finish_many_and_claim` is written in queries.sql with its claim as an
+    include of `plain_claim` (parameters renumbered): the claim's scan, order, limit
+    and SKIP LOCKED are spelled once, so the two claims cannot drift."""
+    import re
+    from importlib import resources
+
+    from nasiko_queue._sql import Q, parse
+
+    def code(text: str) -> list[str]:
+        return [line.strip() for line in text.splitlines()
+                if line.strip() and not line.lstrip().startswith("--")]
+
+    claim = code(re.sub(r"\$(\d+)", lambda m: f"${int(m[1]) + 2}", Q.plain_claim))
+    finish = code(Q.plain_finish_many_and_claim)
+    assert any(finish[i:i + len(claim)] == claim for i in range(len(finish))), finish
+    source = resources.files("nasiko_queue").joinpath("sql/queries.sql").read_text("utf-8")
+    for once in ("WITH RECURSIVE priorities", "AND priority = priorities.priority",
+                 "ORDER BY run_at, id", "FOR UPDATE SKIP LOCKED) AS due"):
+        assert source.count(once) == 1, once
+    with pytest.raises(ValueError, match="must come before it"):
+        parse("-- name: b\n  -- include a, its $1-$1 as $2-$2\n")
+    with pytest.raises(ValueError, match=r"takes \$1, \$2"):
+        parse("-- name: a\nSELECT $1::int + $2::int;\n"
+              "-- name: b\nSELECT $1::int, (\n  -- include a, its $1-$1 as $2-$2\n);\n")
+    built = parse("-- name: a\n-- A comment.\nSELECT $1::int\n  + $2::int;\n"
+                  "-- name: b\nSELECT $1::int, (\n    -- include a, its $1-$2 as $2-$3\n);\n")
+    assert built["b"] == "SELECT $1::int, (\n    SELECT $2::int\n      + $3::int\n)"

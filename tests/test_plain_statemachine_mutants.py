@@ -9,8 +9,6 @@ a real database is most of a hunt's time).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
-from typing import Any
 
 import attrs
 import pytest
@@ -20,53 +18,14 @@ import nasiko_queue.job_admin
 import nasiko_queue.jobs
 import nasiko_queue.plain_jobs
 import nasiko_queue.queue
-from nasiko_queue._sql import Q
 from nasiko_queue.lane import Lane
-from nasiko_queue.testing import plain_machine
-from nasiko_queue.testing.plain_machine import (
-    PlainStateMachine,
-    plain_profile,
-    run_plain_state_machine,
-)
+from nasiko_queue.testing.mutants import plant_sql
+from nasiko_queue.testing.plain_machine import PlainStateMachine, plain_profile
+from nasiko_queue.testing.runner import expect_failure
 from nasiko_queue.worker import Worker
 
 #: The machine's own budget, without the shrink phase.
 HUNT = settings(plain_profile(), phases=[Phase.explicit, Phase.generate])
-
-
-def _mutated(**changes: tuple[str, str]) -> Any:
-    """`Q` with text replaced in the named statements (each replacement must apply)."""
-    fields = {}
-    for name, (old, new) in changes.items():
-        text = getattr(Q, name)
-        assert old in text, f"{name} no longer contains {old!r}: update the mutant"
-        fields[name] = text.replace(old, new)
-    return attrs.evolve(Q, **fields)
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
-
-
-async def _expect_failure(dsn: str, name: str,
-                          machine: type[PlainStateMachine] = PlainStateMachine) -> str:
-    """Run the machine; it must fail with a falsifying example. Returns the report."""
-    before = plain_machine.EXAMPLES[machine.__name__]
-    with pytest.raises(BaseException) as caught:  # noqa: PT011 (any failure counts)
-        await run_plain_state_machine(dsn, machine, settings=HUNT)
-    examples = plain_machine.EXAMPLES[machine.__name__] - before
-    reports = ["\n".join(getattr(exc, "__notes__", [])) for exc in _leaves(caught.value)]
-    for report in reports:
-        assert "state." in report, f"no falsifying example reported: {caught.value!r}"
-    print(f"\nmutant {name}: found in example {examples}: {caught.value!r}"[:400])
-    return "\n".join(reports)
-
-
-def _plant(monkeypatch: pytest.MonkeyPatch, module: ModuleType, **changes: tuple[str, str]
-           ) -> None:
-    monkeypatch.setattr(module, "Q", _mutated(**changes))
 
 
 #: Each priority's scan of the claim takes every less urgent one's due jobs too, in
@@ -96,29 +55,29 @@ UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
 
 MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # The claim takes the job due first, whatever its priority.
-    "claim_ignores_priority": lambda mp: _plant(
+    "claim_ignores_priority": lambda mp: plant_sql(
         mp, nasiko_queue.plain_jobs, plain_claim=ORDER, plain_finish_many_and_claim=ORDER),
     # The claim takes scheduled jobs before their run_at.
-    "claim_ignores_run_at": lambda mp: _plant(
+    "claim_ignores_run_at": lambda mp: plant_sql(
         mp, nasiko_queue.plain_jobs, plain_claim=DUE, plain_finish_many_and_claim=DUE),
     # A crash's retry is due at once, whatever the backoff said.
-    "retry_ignores_backoff": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_retry=(
+    "retry_ignores_backoff": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_retry=(
         "now() + make_interval(secs => $3::double precision)",
         "now() + make_interval(secs => 0 * $3::double precision)")),
     # A crash on the last attempt makes the job available again instead of discarding it.
-    "retry_never_discards": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_retry=(
+    "retry_never_discards": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_retry=(
         "attempt >= max_attempts", "attempt >= max_attempts + 1000")),
     # The unique insert never meets its key (each row's key made its own).
-    "unique_ignores_the_key": lambda mp: _plant(
+    "unique_ignores_the_key": lambda mp: plant_sql(
         mp, nasiko_queue.queue,
         plain_insert=("$9, $10::text[]", "$9 || gen_random_uuid()::text, $10::text[]"),
         plain_insert_notify=("$9, $10::text[]", "$9 || gen_random_uuid()::text, $10::text[]")),
     # A cancel of a running job lets the run end completed.
-    "cancel_of_running_completes": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_end=(
+    "cancel_of_running_completes": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_end=(
         "SET state = $3,",
         "SET state = CASE WHEN $3::text = 'cancelled' THEN 'completed' ELSE $3 END,")),
     # The rescue gives a dead worker's job back with its attempt not counted.
-    "rescue_does_not_count_the_attempt": lambda mp: _plant(
+    "rescue_does_not_count_the_attempt": lambda mp: plant_sql(
         mp, nasiko_queue.jobs, plain_rescue=(
             "        claim_token = NULL\n    FROM nasiko_queue_workers AS w",
             "        claim_token = NULL,\n"
@@ -127,14 +86,14 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
             "                            = 'available' THEN j.attempt - 1 ELSE j.attempt END\n"
             "    FROM nasiko_queue_workers AS w")),
     # The dead-letter queue's retry keeps the attempts of the runs before.
-    "dead_letter_retry_keeps_the_attempts": lambda mp: _plant(
+    "dead_letter_retry_keeps_the_attempts": lambda mp: plant_sql(
         mp, nasiko_queue.job_admin, plain_requeue=("attempt = 0,", "")),
     # A crash after a cancel was asked for makes the job available again.
-    "crash_after_cancel_retries": lambda mp: _plant(mp, nasiko_queue.plain_jobs, plain_retry=(
+    "crash_after_cancel_retries": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_retry=(
         "nasiko_queue_run_end(cancel_requested,", "nasiko_queue_run_end(false,")),
     # The cancel restates its rule in three parts of one snapshot (issue #20): a
     # cancel that waits for a claim is lost.
-    "cancel_in_three_parts": lambda mp: _plant(mp, nasiko_queue.queue, plain_cancel=(
+    "cancel_in_three_parts": lambda mp: plant_sql(mp, nasiko_queue.queue, plain_cancel=(
         "SELECT nasiko_queue_cancel($1)", THREE_PART_CANCEL)),
 }
 
@@ -145,7 +104,8 @@ async def test_the_plain_machine_finds_the_planted_bug(
     dsn: str, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     MUTANTS[name](monkeypatch)
-    await _expect_failure(dsn, name)
+    found = await expect_failure(dsn, PlainStateMachine, settings=HUNT)
+    print(f"\nmutant {name}: found in example {found.examples}: {found.error!r}"[:400])
 
 
 # -- lanes (issue #20) -------------------------------------------------------------------
@@ -177,5 +137,7 @@ class _CoupledLanes(PlainStateMachine):
 
 @pytest.mark.slow
 async def test_the_plain_machine_finds_lanes_that_wait_for_each_other(dsn: str) -> None:
-    notes = await _expect_failure(dsn, "coupled_lanes", _CoupledLanes)
-    assert "state.drain_beside_a_busy_lane()" in notes
+    found = await expect_failure(dsn, _CoupledLanes, settings=HUNT)
+    print(f"\nmutant coupled_lanes: found in example {found.examples}: {found.error!r}"[:400])
+    assert any("state.drain_beside_a_busy_lane()" in step
+               for steps in found.steps for step in steps), found.reports

@@ -9,43 +9,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
-import attrs
 import pytest
 from hypothesis import Phase, settings
 
 import nasiko_queue.job_executor
 import nasiko_queue.jobs
-from nasiko_queue import Database, Queue, Worker, open_database
-from nasiko_queue._sql import Q
+from nasiko_queue import Database, Queue, Worker
 from nasiko_queue.job_executor import JobExecutor
-from nasiko_queue.jobs import ClaimedJob, JobStore, PgJobStore, RecoveryResult
+from nasiko_queue.jobs import ClaimedJob, PgJobStore, RecoveryResult
 from nasiko_queue.testing.machine import QueueStateMachine, profile, run_queue_state_machine
 from nasiko_queue.testing.model import Outcome
+from nasiko_queue.testing.mutants import plant_sql, swap
+from nasiko_queue.testing.runner import expect_failure
 
 #: The machine's default profile (`nasiko-ci`: 50 examples of up to 30 steps,
 #: derandomized): each planted bug must be found within the budget a user's own
 #: run of the machine has. Hypothesis stops at the first failure and shrinks it.
 HUNT = profile()
-
-
-class _Mutant(QueueStateMachine):
-    """A machine whose engine has one bug planted by `mutate_store` / `mutate_worker`."""
-
-    store_class: type[PgJobStore] = PgJobStore
-    executor_class: type[JobExecutor] = JobExecutor
-
-    def make_store(self) -> JobStore:
-        return self.store_class(self.env.db, self.config, runnable_kinds=self.executors.kinds,
-                                known_kinds=self.known)
-
-    def make_worker(self) -> Worker:
-        worker = Worker(self.queue, self.executors, store=self.make_store())
-        # The planted bug lives in the per-job pipeline: swap in the mutant's class.
-        worker.executor.__class__ = self.executor_class
-        return worker
 
 
 async def _expect_failure(dsn: str, machine: type[QueueStateMachine], *,
@@ -59,84 +42,31 @@ async def _expect_failure(dsn: str, machine: type[QueueStateMachine], *,
     profile finds their bug (the first five show the shrinking too).
     """
     hunt = HUNT if shrink else settings(HUNT, phases=[Phase.explicit, Phase.generate])
-    async with open_database(dsn) as db:
-        with pytest.raises(BaseException) as caught:  # noqa: PT011 (any failure counts)
-            await run_queue_state_machine(db, machine, settings=hunt,
-                                          rule_timeout=rule_timeout)
-    # Hypothesis may report several distinct bugs at once, as an exception group.
-    failures = _leaves(caught.value)
-    reports = ["\n".join(getattr(exc, "__notes__", [])) for exc in failures]
-    for report in reports:
-        assert "state." in report, f"no falsifying example reported: {failures!r}"
-        steps = [line for line in report.splitlines() if line.startswith("state.")
-                 and not line.startswith(_NOT_STEPS)]
-        assert steps, f"no step in the example:\n{report}"
-        if shrink:
+    found = await expect_failure(dsn, machine, settings=hunt, rule_timeout=rule_timeout)
+    if shrink:
+        for report, steps in zip(found.reports, found.steps, strict=True):
             assert len(steps) <= 8, f"not shrunk to a short example:\n{report}"
-    return "\n".join(reports)
+    return "\n".join(found.reports)
 
 
-#: Lines of a reported example that are not rules: set-up, checks, tear-down.
-_NOT_STEPS = ("state.start_empty(", "state.database_equals_model(", "state.teardown(")
+def cap_off_by_one(self: JobExecutor, job: ClaimedJob) -> bool:
+    return job.old_attempt > self.config.max_attempts  # bug: > instead of >=
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
+async def reset_keeps_picked_at(self: PgJobStore, job: ClaimedJob) -> bool:
+    # bug: back to pending but picked_at kept
+    return await self._db.fetchval(
+        "UPDATE build_jobs SET status = 'pending' WHERE id = $1 AND attempt = $2 "
+        "AND status = 'in_progress' RETURNING id", job.id, job.attempt) is not None
 
 
-def _mutated(**changes: tuple[str, str]) -> Any:
-    """`Q` with text replaced in the named statements (each replacement must apply)."""
-    fields = {}
-    for name, (old, new) in changes.items():
-        text = getattr(Q, name)
-        assert old in text, f"{name} no longer contains {old!r}: update the mutant"
-        fields[name] = text.replace(old, new)
-    return attrs.evolve(Q, **fields)
-
-
-class CapOffByOne(JobExecutor):
-    def _out_of_attempts(self, job: ClaimedJob) -> bool:
-        return job.old_attempt > self.config.max_attempts  # bug: > instead of >=
-
-
-class ResetKeepsPickedAt(PgJobStore):
-    async def reset(self, job: ClaimedJob) -> bool:
-        # bug: back to pending but picked_at kept
-        return await self._db.fetchval(
-            "UPDATE build_jobs SET status = 'pending' WHERE id = $1 AND attempt = $2 "
-            "AND status = 'in_progress' RETURNING id", job.id, job.attempt) is not None
-
-
-class SweepIgnoresAttempt(PgJobStore):
-    async def recover(self) -> RecoveryResult:
-        # bug: every stuck job goes back to pending, however many attempts it used
-        rows = await self._db.fetch(
-            "UPDATE build_jobs SET status = 'pending', picked_at = NULL "
-            "WHERE status = 'in_progress' AND picked_at < now() - make_interval(mins => $1) "
-            "RETURNING id", self._config.stuck_job_mins)
-        return RecoveryResult(failed=0, reset=len(rows))
-
-
-@pytest.mark.slow
-async def test_finds_an_off_by_one_in_the_cap(dsn: str) -> None:
-    notes = await _expect_failure(dsn, type("M", (_Mutant,), {"executor_class": CapOffByOne}))
-    assert re.search(r"state\.(enqueue|enqueue_exhausted)\(", notes), notes
-
-
-@pytest.mark.slow
-async def test_finds_a_panic_reset_that_keeps_picked_at(dsn: str) -> None:
-    notes = await _expect_failure(dsn, type("M", (_Mutant,),
-                                            {"store_class": ResetKeepsPickedAt}))
-    assert re.search(r"state\.(drain(_with_two_workers)?|hard_stop_mid_run)\(", notes), notes
-
-
-@pytest.mark.slow
-async def test_finds_a_sweep_that_ignores_attempt(dsn: str) -> None:
-    notes = await _expect_failure(dsn, type("M", (_Mutant,),
-                                            {"store_class": SweepIgnoresAttempt}))
-    assert re.search(r"state\.(poison_job|age_stuck_jobs|stall|stale_writer)\(", notes), notes
+async def sweep_ignores_attempt(self: PgJobStore) -> RecoveryResult:
+    # bug: every stuck job goes back to pending, however many attempts it used
+    rows = await self._db.fetch(
+        "UPDATE build_jobs SET status = 'pending', picked_at = NULL "
+        "WHERE status = 'in_progress' AND picked_at < now() - make_interval(mins => $1) "
+        "RETURNING id", self._config.stuck_job_mins)
+    return RecoveryResult(failed=0, reset=len(rows))
 
 
 @pytest.mark.slow
@@ -151,41 +81,74 @@ async def test_finds_terminalization_that_forgets_connectors(
             return None  # bug: connectors are never terminalized
         return await real(conn, agent_id, connector_id, own_build_id)
 
-    monkeypatch.setattr(nasiko_queue.jobs, "terminalize_target", forgets_connectors)
+    swap(monkeypatch, nasiko_queue.jobs, "terminalize_target", forgets_connectors)
     await _expect_failure(dsn, QueueStateMachine)
 
 
-class EndlessCrashRetries(JobExecutor):
-    async def reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
-        # bug: a crash always goes back to pending, however many runs it had
+async def endless_crash_retries(self: JobExecutor, job: ClaimedJob,
+                                build_id: UUID | None) -> None:
+    # bug: a crash always goes back to pending, however many runs it had
+    await self.retry.final("reset", lambda: self.store.reset(job))
+    self.wake()
+
+
+async def fails_an_attempt_early(self: JobExecutor, job: ClaimedJob,
+                                 build_id: UUID | None) -> None:
+    if job.old_attempt + 2 >= self.config.max_attempts:  # bug: + 2
+        await self._fail(job, nasiko_queue.job_executor.JOB_PANICKED, own_build_id=build_id)
+    else:
         await self.retry.final("reset", lambda: self.store.reset(job))
         self.wake()
 
 
-class FailsAnAttemptEarly(JobExecutor):
-    async def reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
-        if job.old_attempt + 2 >= self.config.max_attempts:  # bug: + 2
-            await self._fail(job, nasiko_queue.job_executor.JOB_PANICKED,
-                             own_build_id=build_id)
-        else:
-            await self.retry.final("reset", lambda: self.store.reset(job))
-            self.wake()
+class M(QueueStateMachine):
+    """
+    The machine the swapped methods are hunted with. A machine's name seeds its
+    derandomized examples (`nasiko_queue.testing.runner`); these hunts were
+    written against a machine called M, and another name's examples can take a
+    shrink longer than a test may run (the sweep's, over 300 s).
+    """
+
+
+class Swap(NamedTuple):
+    """A bug planted by swapping a method for a buggy copy."""
+
+    owner: type
+    method: str
+    bug: Callable[..., Any]
+    #: Whether the example must come back shrunk (to at most 8 steps).
+    shrink: bool
+    #: The rules of which the example must show one.
+    rules: str
+
+
+SWAPS = {
+    "an_off_by_one_in_the_cap": Swap(
+        JobExecutor, "_out_of_attempts", cap_off_by_one, True, "enqueue|enqueue_exhausted"),
+    "a_panic_reset_that_keeps_picked_at": Swap(
+        PgJobStore, "reset", reset_keeps_picked_at, True,
+        "drain(_with_two_workers)?|hard_stop_mid_run"),
+    "a_sweep_that_ignores_attempt": Swap(
+        PgJobStore, "recover", sweep_ignores_attempt, True,
+        "poison_job|age_stuck_jobs|stall|stale_writer"),
+    "crash_retries_that_never_end": Swap(
+        JobExecutor, "reset_panicked_job", endless_crash_retries, False,
+        "enqueue|enqueue_crash_loop|hard_stop_mid_run"),
+    "a_crash_that_fails_its_job_an_attempt_early": Swap(
+        JobExecutor, "reset_panicked_job", fails_an_attempt_early, False,
+        "enqueue|enqueue_crash_loop|hard_stop_mid_run"),
+}
 
 
 @pytest.mark.slow
-async def test_finds_crash_retries_that_never_end(dsn: str) -> None:
-    notes = await _expect_failure(dsn, type("M", (_Mutant,),
-                                            {"executor_class": EndlessCrashRetries}),
-                                  shrink=False)
-    assert re.search(r"state\.(enqueue|enqueue_crash_loop|hard_stop_mid_run)\(", notes), notes
-
-
-@pytest.mark.slow
-async def test_finds_a_crash_that_fails_its_job_an_attempt_early(dsn: str) -> None:
-    notes = await _expect_failure(dsn, type("M", (_Mutant,),
-                                            {"executor_class": FailsAnAttemptEarly}),
-                                  shrink=False)
-    assert re.search(r"state\.(enqueue|enqueue_crash_loop|hard_stop_mid_run)\(", notes), notes
+@pytest.mark.parametrize("name", list(SWAPS))
+async def test_finds_a_swapped_method(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    owner, method, bug, shrink, rules = SWAPS[name]
+    swap(monkeypatch, owner, method, bug)
+    notes = await _expect_failure(dsn, M, shrink=shrink)
+    assert re.search(rf"state\.({rules})\(", notes), notes
 
 
 @pytest.mark.slow
@@ -195,9 +158,8 @@ async def test_finds_a_sweep_whose_threshold_is_in_the_wrong_unit(
 ) -> None:
     """make_interval(secs => 60) or (hours => 60) instead of (mins => 60)."""
     wrong = ("make_interval(mins => $1)", f"make_interval({unit} => $1)")
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(
-        jobs_stuck_exhausted=wrong, jobs_reset_stuck=wrong,
-        job_fail=("make_interval(mins => $4)", f"make_interval({unit} => $4)")))
+    plant_sql(monkeypatch, nasiko_queue.jobs, jobs_stuck_exhausted=wrong, jobs_reset_stuck=wrong,
+              job_fail=("make_interval(mins => $4)", f"make_interval({unit} => $4)"))
     notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
     assert re.search(r"state\.(age_stuck_jobs|poison_job|stall|stale_writer)\(", notes), notes
 
@@ -209,11 +171,11 @@ async def test_finds_a_finish_that_takes_any_status_but_failed_as_success(
     """Only a run that returns with its build row neither 'success' nor 'failed'
     shows this bug, so the machine's executors play those outcomes (the default
     examples, which follow the machine's source, may hold too few of them)."""
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(jobs_finish_many_and_claim=(
+    plant_sql(monkeypatch, nasiko_queue.jobs, jobs_finish_many_and_claim=(
         "SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,\n"
         "        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,",
         "SET status = CASE WHEN o.build_status = 'failed' THEN 'failed' ELSE 'done' END,\n"
-        "        error_msg = CASE WHEN o.build_status = 'failed' THEN $5 END,")))
+        "        error_msg = CASE WHEN o.build_status = 'failed' THEN $5 END,"))
     notes = await _expect_failure(dsn, _Unreported, shrink=False)
     assert "state.enqueue(" in notes, notes
 
@@ -241,7 +203,7 @@ async def test_finds_final_writes_that_do_not_check_the_claim_is_current(
     # The attempt is still passed, but no longer compared with the row's.
     unguarded = guard.rsplit(" AND ", 1)[0] + (
         " AND $2::int IS NOT NULL" if write != "finish" else "")
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(**{statement: (guard, unguarded)}))
+    plant_sql(monkeypatch, nasiko_queue.jobs, **{statement: (guard, unguarded)})
     # Which rule meets the stale write first depends on timing (a hard stop's
     # release is a reset too); any failing example counts.
     await _expect_failure(dsn, QueueStateMachine, shrink=False)
@@ -269,15 +231,15 @@ async def test_finds_a_rescue_that_takes_the_wrong_jobs(
     """The rescue gives back jobs of workers that still heartbeat, or resets jobs
     with no attempts left instead of failing them."""
     if bug == "takes_live_workers_jobs":
-        mutated = _mutated(jobs_rescue=(
+        plant_sql(monkeypatch, nasiko_queue.jobs, jobs_rescue=(
             "WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL",
             "WHERE w.id = j.claimed_by"))
     else:
-        mutated = _mutated(
+        plant_sql(
+            monkeypatch, nasiko_queue.jobs,
             jobs_rescue=("AND j.status = 'in_progress' AND j.attempt < $1",
                          "AND j.status = 'in_progress' AND $1::int IS NOT NULL"),
             jobs_held_by_dead_exhausted=("AND j.attempt >= $1", "AND j.attempt >= $1 + 100"))
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", mutated)
     notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
     assert re.search(r"state\.(rescue|stale_writer)\(", notes), notes
 
@@ -289,11 +251,12 @@ async def test_finds_a_sweep_that_takes_a_live_workers_job(
     """The 60-minute rule applied to a job a heartbeating worker still holds."""
     live = ("  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w\n"
             "                  WHERE w.id = j.claimed_by AND w.dead_at IS NULL)", "")
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _mutated(
+    plant_sql(
+        monkeypatch, nasiko_queue.jobs,
         jobs_stuck_exhausted=live,
         jobs_reset_stuck=("AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w  "
                           "-- as in jobs_stuck_exhausted\n" + " " * 22 +
-                          "WHERE w.id = b.claimed_by AND w.dead_at IS NULL)", "")))
+                          "WHERE w.id = b.claimed_by AND w.dead_at IS NULL)", ""))
     await _expect_failure(dsn, QueueStateMachine, shrink=False)
 
 
@@ -332,8 +295,8 @@ async def test_finds_a_wake_that_blocks(dsn: str) -> None:
 _FINISHES = ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds")
 
 
-def _in_both_finishes(old: str, new: str) -> Any:
-    return _mutated(**dict.fromkeys(_FINISHES, (old, new)))
+def _in_both_finishes(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    plant_sql(monkeypatch, nasiko_queue.jobs, **dict.fromkeys(_FINISHES, (old, new)))
 
 
 @pytest.mark.slow
@@ -342,9 +305,8 @@ async def test_finds_a_folded_report_that_is_ignored(
 ) -> None:
     """The finish drops what the executor reported: its build row is read as it
     stands ('queued'), so a reported success ends failed and its row never says so."""
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _in_both_finishes(
-        "FROM input WHERE reported IN ('success', 'failed')",
-        "FROM input WHERE false AND reported IN ('success', 'failed')"))
+    _in_both_finishes(monkeypatch, "FROM input WHERE reported IN ('success', 'failed')",
+                      "FROM input WHERE false AND reported IN ('success', 'failed')")
     notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
     assert re.search(r"state\.(enqueue|enqueue_burst|drain)", notes), notes
 
@@ -358,8 +320,7 @@ async def test_finds_a_folded_report_written_without_its_jobs_finish(
     tied = ("b.status IN ('queued', 'building')\n"
             "      AND EXISTS (SELECT 1 FROM finished AS f "
             "WHERE f.build_id = r.build_id AND f.folded)")
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _in_both_finishes(
-        tied, "b.status IN ('queued', 'building')"))
+    _in_both_finishes(monkeypatch, tied, "b.status IN ('queued', 'building')")
     notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
     assert "state.stale_writer(" in notes, notes
 
@@ -385,8 +346,9 @@ async def test_finds_a_folded_report_written_for_the_wrong_build(
     """A connector's report is written for the wrong build (the flag that says which
     table holds its build row is read the wrong way round, so it looks for an agent
     build): the job ends done while its connector build stays 'pending'."""
-    monkeypatch.setattr(nasiko_queue.jobs, "Q", _in_both_finishes(
+    _in_both_finishes(
+        monkeypatch,
         "    WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')",
         "    WHERE b.id = r.build_id AND NOT r.is_connector "
-        "AND b.status IN ('pending', 'building')"))
+        "AND b.status IN ('pending', 'building')")
     await _expect_failure(dsn, _ConnectorsOnly, shrink=False)

@@ -983,33 +983,8 @@ WITH finished AS (
       AND j.attempt = i.attempt
     RETURNING j.id, j.state
 ), claimed AS (
-    UPDATE nasiko_queue_jobs AS j
-    SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
-        claim_token = $5, claimed_by = $6
-    WHERE j.id = ANY (ARRAY(  -- as in plain_claim: priority by priority
-        WITH RECURSIVE priorities AS (
-            (SELECT priority FROM nasiko_queue_jobs
-             WHERE state = 'available' AND queue = $3
-             ORDER BY priority LIMIT 1)
-            UNION ALL
-            SELECT (SELECT n.priority FROM nasiko_queue_jobs AS n
-                    WHERE n.state = 'available' AND n.queue = $3 AND n.priority > p.priority
-                    ORDER BY n.priority LIMIT 1)
-            FROM priorities AS p WHERE p.priority IS NOT NULL
-        )
-        SELECT due.id
-        FROM priorities CROSS JOIN LATERAL (
-            SELECT id FROM nasiko_queue_jobs
-            WHERE state = 'available' AND queue = $3 AND priority = priorities.priority
-              AND run_at <= now()
-            ORDER BY run_at, id
-            LIMIT $4
-            FOR UPDATE SKIP LOCKED) AS due
-        WHERE NOT EXISTS (SELECT 1 FROM nasiko_queue_paused_queues WHERE queue = $3)
-        LIMIT $4))
-    RETURNING j.id, j.kind,
-              CASE WHEN octet_length(j.payload::text) <= $7 THEN j.payload::text END AS payload,
-              j.attempt - 1 AS old_attempt, j.max_attempts, j.priority, j.run_at AS created_at
+    -- The loader (`_sql.py`) writes in `plain_claim`, so that the claim is spelled once.
+    -- include plain_claim, its $1-$5 as $3-$7
 )
 SELECT i.id AS finished_id,
        coalesce(f.state, (SELECT c.state FROM nasiko_queue_jobs AS c

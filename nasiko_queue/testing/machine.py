@@ -29,43 +29,30 @@ for every other job, and both ways must leave the same rows)::
     async def test_my_executors(dsn):               # a pytest-trio test
         await run_queue_state_machine(dsn, MyMachine)
 
-Hypothesis runs synchronously in a worker thread (`trio.to_thread`); each rule
-calls back into the test's trio loop with `trio.from_thread.run`, so the
-database pool, the workers and their nurseries all live in the test's own
-trio run (hypothesis-trio is dead; trio-asyncpg-notes §4).
-
-Settings profiles: ``nasiko-ci`` (the default: 50 examples of up to 30 steps,
-derandomized so every run is the same) and ``nasiko-thorough`` (400 examples of
-up to 50 steps, random); choose with NASIKO_QUEUE_HYPOTHESIS_PROFILE.
+How it runs (in a worker thread, each rule calling back into the test's trio
+loop) and its settings profiles (``nasiko-ci`` by default; ``nasiko-thorough``
+with NASIKO_QUEUE_HYPOTHESIS_PROFILE): `nasiko_queue.testing.runner`, which
+the plain-job machine shares.
 
 .. versionadded:: 0.1.0
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 from uuid import UUID
 
-import attrs
 import trio
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import invariant, precondition, rule
 
 from .._sql import Q
 from ..config import QueueConfig
-from ..database import Database, open_database
+from ..database import Database
 from ..executors import Executors, JobContext
 from ..jobs import MAINTENANCE_ROLE, BuildReport, JobStore, PgJobStore, WorkerIdentity
 from ..payloads import BUILTIN_PAYLOAD_TYPES, Payload
@@ -89,26 +76,8 @@ from .model import (
     TargetKind,
     TargetState,
 )
-
-T = TypeVar("T")
-
-settings.register_profile(
-    "nasiko-ci",
-    max_examples=50,
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "nasiko-thorough",
-    max_examples=400,
-    stateful_step_count=50,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+from .runner import DatabaseMachine, run_machine
+from .runner import profile as profile
 
 #: Invalid payloads the machine enqueues (by plain SQL, as a buggy or foreign writer would).
 INVALID_SHAPES = ("missing_fields", "unknown_kind", "wrong_type", "not_an_object")
@@ -126,11 +95,6 @@ HARNESS_CONFIG = QueueConfig(
     # make what happens depend on timing.
     maintenance=False,
 )
-
-
-def profile() -> settings:
-    """The settings profile chosen by NASIKO_QUEUE_HYPOTHESIS_PROFILE (default nasiko-ci)."""
-    return settings.get_profile(os.environ.get("NASIKO_QUEUE_HYPOTHESIS_PROFILE", "nasiko-ci"))
 
 
 class SimulatedCrash(Exception):
@@ -263,16 +227,7 @@ def scripted_executors(
     return executors
 
 
-@attrs.define
-class _Env:
-    """What the machine needs from the trio side; set by `run_queue_state_machine`."""
-
-    db: Database
-    secrets: SecretBox
-    rule_timeout: float
-
-
-class QueueStateMachine(RuleBasedStateMachine):
+class QueueStateMachine(DatabaseMachine):
     """
     The engine against `QueueModel`, one Hypothesis step at a time.
 
@@ -290,7 +245,7 @@ class QueueStateMachine(RuleBasedStateMachine):
       two as well (return without reporting; report 'building' and return).
     """
 
-    _env: ClassVar[_Env | None] = None
+    runner: ClassVar[str] = "run_queue_state_machine"
     kinds: ClassVar[tuple[str, ...]] = KINDS
     #: Whether every other valid job's scripted executor reports through its
     #: context (`ScriptedWorld.via_ctx`) rather than by writing the build row.
@@ -300,10 +255,6 @@ class QueueStateMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        if self._env is None:
-            raise RuntimeError("run the machine with run_queue_state_machine(), which binds "
-                               "it to a database and the test's trio loop")
-        self.env: _Env = self._env
         self.world = ScriptedWorld()
         self.queue = self.make_queue(self.env.db)
         self.executors = self.make_executors(self.world)
@@ -369,21 +320,10 @@ class QueueStateMachine(RuleBasedStateMachine):
             plan = [Outcome.FAIL if o is Outcome.RAISE else o for o in plan]
         return tuple(plan)
 
-    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        async def bounded() -> T:
-            with trio.fail_after(self.env.rule_timeout):
-                return await fn(*args)
-
-        return trio.from_thread.run(bounded)
-
     def _new_worker(self) -> Worker:
         worker = self.make_worker()
         self.queue._add_waker(worker.wake)
         return worker
-
-    @initialize()
-    def start_empty(self) -> None:
-        self._call(self.env.db.execute, Q.testing_truncate_all)
 
     def teardown(self) -> None:
         self.queue._remove_waker(self.next_worker.wake)
@@ -922,13 +862,5 @@ async def run_queue_state_machine(
         rule_timeout: seconds one rule may take; a rule that blocks (a wake that
             waits, a drain that never ends) fails the example instead of hanging.
     """
-    if isinstance(db_or_dsn, str):
-        async with open_database(db_or_dsn) as db:
-            await run_queue_state_machine(db, machine, settings=settings, secrets=secrets,
-                                          rule_timeout=rule_timeout)
-        return
-    env = _Env(db=db_or_dsn, secrets=secrets or SecretBox(b"t" * 32),
-               rule_timeout=rule_timeout)
-    bound = type(machine.__name__, (machine,), {"_env": env})
-    chosen = settings or profile()
-    await trio.to_thread.run_sync(lambda: run_state_machine_as_test(bound, settings=chosen))
+    await run_machine(db_or_dsn, machine, settings=settings or profile(), secrets=secrets,
+                      rule_timeout=rule_timeout)

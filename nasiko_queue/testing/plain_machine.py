@@ -22,8 +22,9 @@ compares every row with the model and checks the invariants:
 * at most one job per unique key among the jobs in that key's states;
 * a cancelled job never runs again.
 
-Settings: the profiles of `machine.py` (``nasiko-ci`` by default), with fewer
-and longer examples (`plain_profile`).
+Settings: the profiles of `runner.py` (``nasiko-ci`` by default), with fewer
+and longer examples (`plain_profile`); it runs as the build-job machine does
+(`nasiko_queue.testing.runner`).
 
 .. versionadded:: 0.2.0
 """
@@ -32,28 +33,20 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 from uuid import UUID
 
 import attrs
 import trio
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import invariant, precondition, rule
 
 from .. import job_admin
 from .._sql import Q
 from ..config import QueueConfig
-from ..database import Database, open_database
+from ..database import Database
 from ..executors import Executors, PlainJobContext
 from ..job_args import JobArgs, JobOptions, Unique
 from ..jobs import PgJobStore, WorkerIdentity
@@ -61,7 +54,6 @@ from ..plain_jobs import PlainJobStore
 from ..queue import Queue
 from ..state import WorkerStats
 from ..worker import Worker
-from .machine import profile
 from .plain_model import (
     AVAILABLE,
     CANCELLED,
@@ -73,8 +65,7 @@ from .plain_model import (
     Run,
     backoff,
 )
-
-T = TypeVar("T")
+from .runner import DatabaseMachine, profile, run_machine
 
 #: The queue the machine's workers run, and one no worker runs (never claimed).
 QUEUE = "default"
@@ -85,9 +76,6 @@ BUSY_QUEUE = "busy"
 #: Unique keys drawn (None: not unique), and the states they are unique within.
 KEYS = (None, None, "a", "b")
 KEY_STATES = (WAITING_OR_RUNNING, WAITING_OR_RUNNING | {"completed"})
-#: Examples run so far in this process, by machine class name (mutation tests
-#: report how many it took to find their bug).
-EXAMPLES: Counter[str] = Counter()
 #: Seconds a crash's retry may come after its claim (the window's upper slack).
 RETRY_SLACK = 5.0
 
@@ -259,23 +247,14 @@ def plain_executors(world: PlainWorld) -> Executors:
     return executors
 
 
-@attrs.define
-class _Env:
-    db: Database
-    rule_timeout: float
-
-
-class PlainStateMachine(RuleBasedStateMachine):
+class PlainStateMachine(DatabaseMachine):
     """Plain jobs in the real engine against `PlainModel`, one step at a time."""
 
-    _env: ClassVar[_Env | None] = None
+    runner: ClassVar[str] = "run_plain_state_machine"
     config: ClassVar[QueueConfig] = PLAIN_CONFIG
 
     def __init__(self) -> None:
         super().__init__()
-        if self._env is None:
-            raise RuntimeError("run the machine with run_plain_state_machine()")
-        self.env: _Env = self._env
         self.world = PlainWorld()
         self.queue = Queue(self.env.db, config=self.config)
         self.executors = plain_executors(self.world)
@@ -284,25 +263,11 @@ class PlainStateMachine(RuleBasedStateMachine):
         self.cancelled_runs: dict[UUID, int] = {}
         self.rescuer = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
                                   known_kinds=frozenset())
-        EXAMPLES[type(self).__name__] += 1
 
     # -- hooks (mutation tests swap these) -----------------------------------------
 
     def make_worker(self) -> Worker:
         return Worker(self.queue, self.executors)
-
-    # -- plumbing --------------------------------------------------------------------
-
-    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        async def bounded() -> T:
-            with trio.fail_after(self.env.rule_timeout):
-                return await fn(*args)
-
-        return trio.from_thread.run(bounded)
-
-    @initialize()
-    def start_empty(self) -> None:
-        self._call(self.env.db.execute, Q.testing_truncate_all)
 
     # -- rules: the application --------------------------------------------------------
 
@@ -638,12 +603,5 @@ async def run_plain_state_machine(
     rule_timeout: float = 20.0,
 ) -> None:
     """Run `machine` against a migrated database of its own, from a trio test."""
-    if isinstance(db_or_dsn, str):
-        async with open_database(db_or_dsn) as db:
-            await run_plain_state_machine(db, machine, settings=settings,
-                                          rule_timeout=rule_timeout)
-        return
-    env = _Env(db=db_or_dsn, rule_timeout=rule_timeout)
-    bound = type(machine.__name__, (machine,), {"_env": env})
-    chosen = settings or plain_profile()
-    await trio.to_thread.run_sync(lambda: run_state_machine_as_test(bound, settings=chosen))
+    await run_machine(db_or_dsn, machine, settings=settings or plain_profile(),
+                      rule_timeout=rule_timeout)

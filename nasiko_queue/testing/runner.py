@@ -1,0 +1,219 @@
+"""
+What the state machines share: a machine bound to a database and to the test's
+trio loop, the settings profiles, and a run that must fail (for mutation tests).
+
+Hypothesis runs synchronously in a worker thread (`trio.to_thread`); each rule
+calls back into the test's trio loop with `DatabaseMachine._call`
+(`trio.from_thread.run`), so the database pool, the workers and their
+nurseries all live in the test's own trio run (hypothesis-trio is dead;
+trio-asyncpg-notes §4).
+
+Settings profiles: ``nasiko-ci`` (the default: 50 examples of up to 30 steps,
+derandomized so every run is the same) and ``nasiko-thorough`` (400 examples of
+up to 50 steps, random); choose with NASIKO_QUEUE_HYPOTHESIS_PROFILE.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+import trio
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_machine_as_test
+
+from .._sql import Q
+from ..database import Database, open_database
+from ..secrets import SecretBox
+
+T = TypeVar("T")
+
+settings.register_profile(
+    "nasiko-ci",
+    max_examples=50,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "nasiko-thorough",
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def profile() -> settings:
+    """The settings profile chosen by NASIKO_QUEUE_HYPOTHESIS_PROFILE (default nasiko-ci)."""
+    return settings.get_profile(os.environ.get("NASIKO_QUEUE_HYPOTHESIS_PROFILE", "nasiko-ci"))
+
+
+@attrs.define
+class MachineEnv:
+    """What a machine needs from the trio side; set by `run_machine`."""
+
+    db: Database
+    #: Seconds one rule may take; a rule that blocks fails the example instead of hanging.
+    rule_timeout: float
+    #: The key for sealed payload fields.
+    secrets: SecretBox
+    #: Examples begun so far (each builds a machine).
+    examples: int = 0
+
+
+class DatabaseMachine(RuleBasedStateMachine):
+    """
+    A state machine on a database of its own: built only by `run_machine` (or a
+    runner that calls it), which binds `env`; every example starts from empty
+    tables.
+    """
+
+    _env: ClassVar[MachineEnv | None] = None
+    #: The runner named in the error a machine built directly raises.
+    runner: ClassVar[str] = "run_machine"
+
+    def __init__(self) -> None:
+        super().__init__()
+        if self._env is None:
+            raise RuntimeError(f"run the machine with {self.runner}(), which binds it to a "
+                               "database and the test's trio loop")
+        self.env: MachineEnv = self._env
+        self.env.examples += 1
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `fn(*args)` in the test's trio loop, within the rule timeout."""
+
+        async def bounded() -> T:
+            with trio.fail_after(self.env.rule_timeout):
+                return await fn(*args)
+
+        return trio.from_thread.run(bounded)
+
+    @initialize()
+    def start_empty(self) -> None:
+        self._call(self.env.db.execute, Q.testing_truncate_all)
+
+
+@asynccontextmanager
+async def _bound(db_or_dsn: Database | str, rule_timeout: float,
+                 secrets: SecretBox | None) -> AsyncIterator[MachineEnv]:
+    async with _database(db_or_dsn) as db:
+        yield MachineEnv(db=db, rule_timeout=rule_timeout,
+                         secrets=secrets or SecretBox(b"t" * 32))
+
+
+@asynccontextmanager
+async def _database(db_or_dsn: Database | str) -> AsyncIterator[Database]:
+    if isinstance(db_or_dsn, str):
+        async with open_database(db_or_dsn) as db:
+            yield db
+    else:
+        yield db_or_dsn
+
+
+async def _run(env: MachineEnv, machine: type[DatabaseMachine], chosen: settings) -> None:
+    # Hypothesis seeds a derandomized run from the machine class's source where it
+    # finds it, else from its name. The bound class is made here, where no class
+    # of its name is written, so a machine's examples follow its name alone: an
+    # edit to the machine's code does not draw other examples.
+    bound = type(machine.__name__, (machine,), {"_env": env})
+    await trio.to_thread.run_sync(lambda: run_state_machine_as_test(bound, settings=chosen))
+
+
+async def run_machine(
+    db_or_dsn: Database | str,
+    machine: type[DatabaseMachine],
+    *,
+    settings: settings,
+    rule_timeout: float = 20.0,
+    secrets: SecretBox | None = None,
+) -> None:
+    """
+    Run `machine` against a migrated database, from a trio test.
+
+    Args:
+        db_or_dsn: an open `Database` or a DSN (the tables are truncated before
+            every example: give it a database of its own).
+        machine: the machine class.
+        settings: Hypothesis settings.
+        rule_timeout: seconds one rule may take.
+        secrets: the key for sealed payload fields (a fixed test key by default).
+    """
+    async with _bound(db_or_dsn, rule_timeout, secrets) as env:
+        await _run(env, machine, settings)
+
+
+@attrs.frozen
+class Failure:
+    """What a failing run of a machine reported."""
+
+    error: BaseException
+    #: One report a bug Hypothesis found (it may report several at once): the
+    #: falsifying example's lines, its notes.
+    reports: tuple[str, ...]
+    #: For each report, its steps: the lines that call a rule (not set-up, checks
+    #: or tear-down).
+    steps: tuple[tuple[str, ...], ...]
+    #: Examples begun before the run ended.
+    examples: int
+
+
+async def expect_failure(
+    db_or_dsn: Database | str,
+    machine: type[DatabaseMachine],
+    *,
+    settings: settings,
+    rule_timeout: float = 20.0,
+    secrets: SecretBox | None = None,
+) -> Failure:
+    """
+    Run `machine` as `run_machine` does; it must fail, with a falsifying example
+    of at least one step in each report (AssertionError otherwise). For tests
+    that plant a bug in the engine (`nasiko_queue.testing.mutants`): a harness
+    that never fails proves nothing.
+    """
+    async with _bound(db_or_dsn, rule_timeout, secrets) as env:
+        try:
+            await _run(env, machine, settings)
+        except BaseException as exc:  # any failure counts
+            failure = _failure(exc, machine, env.examples)
+        else:
+            raise AssertionError(f"{machine.__name__} passed {env.examples} examples: "
+                                 "the planted bug was not found")
+    return failure
+
+
+def _failure(exc: BaseException, machine: type[DatabaseMachine], examples: int) -> Failure:
+    leaves = _leaves(exc)
+    reports = tuple("\n".join(getattr(leaf, "__notes__", [])) for leaf in leaves)
+    rules = _rule_names(machine)
+    steps = tuple(tuple(line for line in report.splitlines()
+                        if line.startswith("state.") and line[6:].split("(")[0] in rules)
+                  for report in reports)
+    for report, leaf, found in zip(reports, leaves, steps, strict=True):
+        assert "state." in report, f"no falsifying example reported: {leaf!r}"
+        assert found, f"no step in the example:\n{report}"
+    return Failure(error=exc, reports=reports, steps=steps, examples=examples)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """Hypothesis may report several distinct bugs at once, as an exception group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _rule_names(machine: type[DatabaseMachine]) -> frozenset[str]:
+    """The names of `machine`'s rules (not its initializers or invariants)."""
+    return frozenset(name for name, member in inspect.getmembers(machine)
+                     if getattr(member, "hypothesis_stateful_rule", None) is not None)
