@@ -21,11 +21,11 @@ from typing import Any
 
 import asyncpg
 
-from nasiko_queue._sql import Q
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.store import BUILD_FAILED
 from nasiko_queue.config import MAX_PAYLOAD_BYTES
-from nasiko_queue.database import ENGINE_SERVER_SETTINGS
-from nasiko_queue.jobs import BUILD_FAILED
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.db.database import ENGINE_SERVER_SETTINGS
+from nasiko_queue.db.statements import Q
 
 CLAIM_ONE = """
 UPDATE build_jobs SET status = 'in_progress', picked_at = now(), attempt = attempt + 1

@@ -35,17 +35,17 @@ from nasiko_queue import (
     Upload,
     open_database,
 )
-from nasiko_queue._sql import Q
-from nasiko_queue.embedded import with_database
-from nasiko_queue.job_args import JobArgs  # -- enqueue (issue #13)
-from nasiko_queue.jobs import PgJobStore
-from nasiko_queue.migrate import migrate
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
-from nasiko_queue.plain_jobs import PlainJobStore
+from nasiko_queue.admin.status import explain_claim
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES, PayloadCodec
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.db.embedded import with_database
+from nasiko_queue.db.migrate import migrate
+from nasiko_queue.db.statements import Q
+from nasiko_queue.engine.worker import Worker
+from nasiko_queue.plain.args import JobArgs
+from nasiko_queue.plain.store import PlainJobStore
 from nasiko_queue.secrets import SecretBox  # -- enqueue (issue #13)
-from nasiko_queue.status import explain_claim
 from nasiko_queue.testing import make_payload
-from nasiko_queue.worker import Worker
 
 from . import ceilings  # -- enqueue (issue #13)
 from .plain import BENCH_QUEUE, BenchPing

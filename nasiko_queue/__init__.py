@@ -1,36 +1,54 @@
 """
 nasiko-queue: a durable job queue for long, crash-prone jobs, on PostgreSQL and trio.
 
-General layout (each module is named for what it holds):
+Layout (each package and module is named for what it holds):
 
-* ``config``      the defaults of docs/rules.md §3 and `QueueConfig`
-* ``payloads``    the build job payload types and their one wire converter
-* ``job_args``    plain jobs: `JobArgs`, `JobOptions`, `Unique`, `Backoff`
-* ``secrets``     sealing of secret payload fields at rest
-* ``database``    asyncpg through trio-asyncio, one bridge crossing per operation
-* ``sql/queries.sql``  every statement, by name
-* ``migrate``     the migrator for ``migrations/``
-* ``queue``       `Queue.enqueue`
-* ``jobs``        the claim and every other transition of a build job row
-* ``plain_jobs``  the same for a queue of plain jobs (``nasiko_queue_jobs``)
-* ``terminalize`` driving a failed job's target to a terminal state
-* ``worker``      the supervisor: wake channel, timers, drains, its lanes
-* ``lane``        one source of jobs in a worker: producer, completer, slots
-* ``producer``, ``completer``, ``slots``  the parts of a lane
-* ``job_executor``, ``plain_executor``  each lane's steps for one job
-* ``heartbeat``, ``maintenance``, ``listener``  the worker's services
-* ``schedules``   cron schedules: `Schedule`, the `Scheduler`
-* ``executors``   the registry of executors and what they receive
-* ``cli``         the ``nasiko-queue`` command; ``demo`` its demo
-* ``embedded``    a private PostgreSQL for the demo and the tests
-* ``testing``     helpers for users' test suites
+* ``queue``, ``executors``, ``config``, ``errors``, ``secrets``, ``job_errors``:
+  what an application uses: `Queue.enqueue`, the executor registry and what
+  executors receive, `QueueConfig`, the exceptions, sealing of secret payload
+  fields, the kept errors of crashed attempts
+* ``engine/``   the worker: ``worker`` (the supervisor), ``lane`` (one source of
+  jobs, its drain loop), ``producer`` (the claim), ``slots``, ``completer``,
+  ``state`` (what the parts share), ``heartbeat``, ``listener``, ``maintenance``
+  (rescue, stuck sweep), ``retry``, ``contracts`` (the claimed job and the store
+  protocols)
+* ``builds/``   build jobs, the original's port: ``payloads`` (the seven types and
+  their wire converter), ``store`` (every transition of a ``build_jobs`` row),
+  ``executor`` (a build job's steps), ``terminalize`` (a failed job's target)
+* ``plain/``    plain jobs: ``args`` (`JobArgs`, `JobOptions`, `Unique`,
+  `Backoff`), ``store``, ``executor``, ``schedules`` (cron)
+* ``admin/``    listings and the dead letters (``jobs``), one job's view
+  (``view``), ``retention``, the queue's ``status``
+* ``db/``       asyncpg through trio-asyncio (``database``), the engine's own
+  connections, ``queries.sql`` (every statement, by name) and its loader
+  (``statements``), ``migrate``, the ``embedded`` PostgreSQL
+* ``cli/``      the ``nasiko-queue`` command, a module per command group
+* ``web/``      the [http] extra: health, metrics, the dashboard
+* ``testing/``  helpers for users' test suites: fixtures, the models and the
+  Hypothesis state machines, their runner and mutant planter
 """
 
+from .builds.payloads import BUILTIN_PAYLOAD_TYPES as BUILTIN_PAYLOAD_TYPES
+from .builds.payloads import Clone as Clone
+from .builds.payloads import GithubClone as GithubClone
+from .builds.payloads import GithubSource as GithubSource
+from .builds.payloads import McpServerUpload as McpServerUpload
+from .builds.payloads import Payload as Payload
+from .builds.payloads import PayloadCodec as PayloadCodec
+from .builds.payloads import Rollback as Rollback
+from .builds.payloads import StandaloneBuild as StandaloneBuild
+from .builds.payloads import Target as Target
+from .builds.payloads import Update as Update
+from .builds.payloads import Upload as Upload
+from .builds.payloads import ZipSource as ZipSource
 from .config import QueueConfig as QueueConfig
-from .database import Database as Database
-from .database import DatabaseConfig as DatabaseConfig
-from .database import Transaction as Transaction
-from .database import open_database as open_database
+from .db.database import Database as Database
+from .db.database import DatabaseConfig as DatabaseConfig
+from .db.database import Transaction as Transaction
+from .db.database import open_database as open_database
+from .db.migrate import migrate as migrate
+from .engine.contracts import JobStatus as JobStatus
+from .engine.worker import Worker as Worker
 from .errors import ConfigurationError as ConfigurationError
 from .errors import InvalidPayload as InvalidPayload
 from .errors import MigrationError as MigrationError
@@ -41,34 +59,18 @@ from .errors import SecretsNotConfigured as SecretsNotConfigured
 from .executors import Executors as Executors
 from .executors import JobContext as JobContext
 from .executors import PlainJobContext as PlainJobContext
-from .job_args import Backoff as Backoff
-from .job_args import JobArgs as JobArgs
-from .job_args import JobOptions as JobOptions
-from .job_args import Unique as Unique
 from .job_errors import JobError as JobError
 from .job_errors import job_errors as job_errors
-from .jobs import JobStatus as JobStatus
-from .migrate import migrate as migrate
-from .payloads import BUILTIN_PAYLOAD_TYPES as BUILTIN_PAYLOAD_TYPES
-from .payloads import Clone as Clone
-from .payloads import GithubClone as GithubClone
-from .payloads import GithubSource as GithubSource
-from .payloads import McpServerUpload as McpServerUpload
-from .payloads import Payload as Payload
-from .payloads import PayloadCodec as PayloadCodec
-from .payloads import Rollback as Rollback
-from .payloads import StandaloneBuild as StandaloneBuild
-from .payloads import Target as Target
-from .payloads import Update as Update
-from .payloads import Upload as Upload
-from .payloads import ZipSource as ZipSource
+from .plain.args import Backoff as Backoff
+from .plain.args import JobArgs as JobArgs
+from .plain.args import JobOptions as JobOptions
+from .plain.args import Unique as Unique
+from .plain.schedules import Schedule as Schedule
+from .plain.schedules import Scheduler as Scheduler
+from .plain.schedules import SchedulerConfig as SchedulerConfig
 from .queue import CancelResult as CancelResult
 from .queue import Queue as Queue
-from .schedules import Schedule as Schedule
-from .schedules import Scheduler as Scheduler
-from .schedules import SchedulerConfig as SchedulerConfig
 from .secrets import Secret as Secret
 from .secrets import SecretBox as SecretBox
-from .worker import Worker as Worker
 
 __version__ = "0.1.0"

@@ -21,10 +21,10 @@ from uuid import UUID
 
 import attrs
 
-from .database import Database
-from .job_args import Backoff, BackoffFn, JobArgs
-from .jobs import BuildReport
-from .payloads import Payload, Target
+from .builds.payloads import Payload, Target
+from .db.database import Database
+from .engine.contracts import BuildReport
+from .plain.args import Backoff, BackoffFn, JobArgs
 
 P = TypeVar("P", bound=Payload)
 A = TypeVar("A", bound=JobArgs)

@@ -21,8 +21,8 @@ from uuid import UUID
 
 import attrs
 
-from ._sql import Q
-from .database import Database
+from .db.database import Database
+from .db.statements import Q
 from .secrets import Secret
 
 #: Longest message kept, in characters.

@@ -1,147 +1,18 @@
 """
-One job as an operator sees it: its row, its payload with secrets masked, and
-the error of every crashed attempt (`nasiko-queue job ID`). The job may be a
-build job, a plain job, or the kept copy of a failed build job that was deleted
-with its target (docs/rules.md §6): the dead-letter queue shows all three.
-
-The payload is shown as stored, except the values of every secret field of its
-payload type (sealed or, with `seal_agent_env=False`, plaintext) and any sealed
-token elsewhere, which are masked: an operator's terminal is not the place for
-them, and nothing here needs the master key.
+One job's view: moved to `nasiko_queue.admin.view` (issue #20, the package's
+layout). This module keeps the documented path `nasiko_queue.job_view` working.
 """
 
-from __future__ import annotations
+from .admin.view import (
+    BUILD_STATES,
+    JobView,
+    job_view,
+    mask_payload,
+)
 
-import json
-from collections.abc import Mapping
-from datetime import datetime
-from typing import Any
-from uuid import UUID
-
-import attrs
-
-from ._sql import Q
-from .database import Database
-from .job_errors import MASK, JobError, job_errors, plain_json
-from .payloads import BUILTIN_PAYLOAD_TYPES, Payload, _sealed_fields
-from .secrets import is_sealed_token
-
-
-@attrs.frozen(kw_only=True)
-class JobView:
-    """
-    A job row, its masked payload and its kept errors.
-
-    `status` is the row's own word (a build job's `failed`, a plain job's
-    `discarded`); `state` is the listing's (`nasiko_queue.job_admin`), the same
-    for every table. For a plain job, `picked_at` is when its last attempt
-    started and `completed_at` when it ended.
-    """
-
-    id: UUID
-    kind: str | None
-    status: str
-    attempt: int
-    error_msg: str | None
-    agent_id: UUID | None
-    connector_id: UUID | None
-    #: None for a plain job (they have no owner).
-    owner_id: UUID | None
-    created_at: datetime
-    picked_at: datetime | None
-    completed_at: datetime | None
-    claimed_by: UUID | None
-    #: The payload as stored, secrets masked; None when it is not JSON at all.
-    payload: Any
-    errors: tuple[JobError, ...]
-    #: Which table: "build", "plain", or "deleted_build" (a failed build job's
-    #: kept copy; its target was deleted, `deleted_at` says when).
-    source: str = "build"
-    queue: str = "builds"
-    state: str = ""
-    target_deleted: bool = False
-    deleted_at: datetime | None = None
-    #: Plain jobs only.
-    max_attempts: int | None = None
-    run_at: datetime | None = None
-    priority: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        view = {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobView)
-                if f.name != "errors"}
-        view["errors"] = [e.to_json() for e in self.errors]
-        return view
-
-
-def mask_payload(payload: Any, types: tuple[type[Payload], ...] = BUILTIN_PAYLOAD_TYPES) -> Any:
-    """The payload with its secret fields' values and every sealed token masked."""
-    secret_fields: set[str] = set()
-    if isinstance(payload, Mapping):
-        for cls in types:
-            if cls.kind == payload.get("kind"):
-                secret_fields = {f.name for f in _sealed_fields(cls)}
-
-    def mask(value: Any, secret: bool = False) -> Any:
-        if isinstance(value, Mapping):
-            return {k: mask(v, secret) for k, v in value.items()}
-        if isinstance(value, list):
-            return [mask(v, secret) for v in value]
-        if isinstance(value, str) and (secret or is_sealed_token(value)):
-            return MASK
-        return value
-
-    if not isinstance(payload, Mapping):
-        return mask(payload)
-    return {k: mask(v, k in secret_fields) for k, v in payload.items()}
-
-
-#: A build job's status in the listing's words (`nasiko_queue.job_admin`).
-BUILD_STATES = {"pending": "available", "in_progress": "running", "done": "completed",
-                "failed": "discarded"}
-
-
-def _masked(text: str | None) -> Any:
-    try:
-        return mask_payload(json.loads(text)) if text is not None else None
-    except (ValueError, RecursionError):
-        return None
-
-
-async def job_view(db: Database, job_id: UUID) -> JobView | None:
-    """
-    The job `job_id`, from whichever table holds it: build jobs, plain jobs, or
-    the kept copies of failed build jobs deleted with their target. None when
-    none does (its errors may remain).
-    """
-    row = await db.fetchrow(Q.job_show, job_id)
-    if row is not None:
-        return JobView(
-            id=row["id"], kind=row["kind"], status=row["status"], attempt=row["attempt"],
-            error_msg=row["error_msg"], agent_id=row["agent_id"],
-            connector_id=row["connector_id"], owner_id=row["owner_id"],
-            created_at=row["created_at"], picked_at=row["picked_at"],
-            completed_at=row["completed_at"], claimed_by=row["claimed_by"],
-            payload=_masked(row["payload"]), errors=tuple(await job_errors(db, job_id)),
-            state=BUILD_STATES.get(row["status"], row["status"]))
-    row = await db.fetchrow(Q.plain_get, job_id)
-    if row is not None:
-        return JobView(
-            id=row["id"], kind=row["kind"], status=row["state"], attempt=row["attempt"],
-            error_msg=row["error_msg"], agent_id=None, connector_id=None, owner_id=None,
-            created_at=row["created_at"], picked_at=row["attempted_at"],
-            completed_at=row["finished_at"], claimed_by=row["claimed_by"],
-            payload=_masked(row["payload"]), errors=tuple(await job_errors(db, job_id)),
-            source="plain", queue=row["queue"], state=row["state"],
-            max_attempts=row["max_attempts"], run_at=row["run_at"], priority=row["priority"])
-    row = await db.fetchrow(Q.deleted_build_job_get, job_id)
-    if row is not None:
-        return JobView(
-            id=row["id"], kind=row["kind"], status="failed", attempt=row["attempt"],
-            error_msg=row["error_msg"], agent_id=row["agent_id"],
-            connector_id=row["connector_id"], owner_id=row["owner_id"],
-            created_at=row["created_at"], picked_at=row["picked_at"],
-            completed_at=row["completed_at"], claimed_by=None,
-            payload=_masked(row["payload"]), errors=tuple(await job_errors(db, job_id)),
-            source="deleted_build", state="discarded", target_deleted=True,
-            deleted_at=row["deleted_at"])
-    return None
+__all__ = [
+    "BUILD_STATES",
+    "JobView",
+    "job_view",
+    "mask_payload",
+]

@@ -22,12 +22,12 @@ from uuid import UUID, uuid4
 import asyncpg
 import trio
 
-from ._sql import Q
+from .builds.payloads import Payload, PayloadCodec
 from .config import QueueConfig
-from .database import Database, Transaction
+from .db.database import Database, Transaction
+from .db.statements import Q
 from .errors import PayloadTooLarge
-from .job_args import JobArgs, JobOptions, Unique
-from .payloads import Payload, PayloadCodec
+from .plain.args import JobArgs, JobOptions, Unique
 from .secrets import SecretBox
 
 # -- enqueue (issue #13) --
@@ -60,7 +60,7 @@ class CancelResult(enum.StrEnum):
 
 
 async def cancel_plain_job(db: Database, job_id: UUID) -> CancelResult | None:
-    """The one cancel (`Queue.cancel`, `job_admin.cancel`): None for an id that is
+    """The one cancel (`Queue.cancel`, `admin.jobs.cancel`): None for an id that is
     no plain job."""
     answer: str | None = await db.fetchval(Q.plain_cancel, job_id)
     return None if answer is None else CancelResult(answer)

@@ -21,7 +21,7 @@ from nasiko_queue import (
     Update,
     Upload,
 )
-from nasiko_queue.schedules import Schedule
+from nasiko_queue.plain.schedules import Schedule
 from nasiko_queue.testing import set_build_status
 
 executors = Executors()

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from nasiko_queue import Database, Queue, QueueConfig, SecretBox, migrate, open_database
-from nasiko_queue.embedded import EmbeddedPostgres, with_database
+from nasiko_queue.db.embedded import EmbeddedPostgres, with_database
 
 _counter = itertools.count()
 

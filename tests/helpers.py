@@ -13,7 +13,7 @@ import trio
 from nasiko_queue import Database, Executors, Queue, Worker
 
 #: The payload type of each built-in kind.
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
 from nasiko_queue.testing import KINDS, set_build_status
 
 TYPES = {t.kind: t for t in BUILTIN_PAYLOAD_TYPES}

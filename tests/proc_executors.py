@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from nasiko_queue import Executors, JobContext
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
 
 #: Advisory lock key of the ``gate`` mode (advisory locks are per database).
 GATE = 7_4242

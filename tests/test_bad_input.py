@@ -31,11 +31,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from nasiko_queue import Database, PayloadTooLarge, Queue, QueueConfig, open_database
+from nasiko_queue.builds.payloads import PayloadCodec
 from nasiko_queue.cli import main
 from nasiko_queue.config import MAX_PAYLOAD_BYTES
+from nasiko_queue.engine.contracts import INVALID_PAYLOAD
 from nasiko_queue.errors import InvalidPayload
-from nasiko_queue.jobs import INVALID_PAYLOAD
-from nasiko_queue.payloads import PayloadCodec
 from nasiko_queue.testing import insert_agent, make_payload
 
 from .procs import (

@@ -29,10 +29,10 @@ from nasiko_queue import (
     QueueConfig,
     Worker,
 )
-from nasiko_queue._sql import Q
-from nasiko_queue.database import Database
-from nasiko_queue.plain_jobs import PlainJobStore
-from nasiko_queue.state import WorkerStats
+from nasiko_queue.db.database import Database
+from nasiko_queue.db.statements import Q
+from nasiko_queue.engine.state import WorkerStats
+from nasiko_queue.plain.store import PlainJobStore
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE

@@ -17,10 +17,10 @@ import attrs
 import pytest
 
 from nasiko_queue import JobArgs, JobOptions, Queue
-from nasiko_queue._sql import Q
-from nasiko_queue.database import Database
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
-from nasiko_queue.plain_jobs import PlainJobStore
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.db.database import Database
+from nasiko_queue.db.statements import Q
+from nasiko_queue.plain.store import PlainJobStore
 
 from .conftest import FAST
 

@@ -43,9 +43,9 @@ from nasiko_queue import (
     SecretBox,
     open_database,
 )
+from nasiko_queue.admin.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
 from nasiko_queue.cli import load_executors, main
-from nasiko_queue.demo import DemoLog, SimulatedCrash, run_demo
-from nasiko_queue.status import SMALL_TABLE_ROWS, ClaimPlan, plan_claim, queue_status
+from nasiko_queue.cli.demo import DemoLog, SimulatedCrash, run_demo
 from nasiko_queue.testing import KINDS, enqueue_with_target
 
 from .conftest import FAST
@@ -331,7 +331,7 @@ def test_worker_flags_reach_the_queue_config(
         configs.append(config)
         return 0
 
-    monkeypatch.setattr(nasiko_queue.cli, "_work", work)
+    monkeypatch.setattr(nasiko_queue.cli.worker, "_work", work)
     spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
             "tests.cli_executors:executors"]
     assert invoke(runner, *spec).exit_code == 0
@@ -368,7 +368,7 @@ def test_worker_roles_by_flag_and_by_environment(
         configs.append(config)
         return 0
 
-    monkeypatch.setattr(nasiko_queue.cli, "_work", work)
+    monkeypatch.setattr(nasiko_queue.cli.worker, "_work", work)
     spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
             "tests.cli_executors:executors"]
     assert invoke(runner, *spec, "--queues", "pings=8,email", "--concurrency", "3",
@@ -389,7 +389,7 @@ def test_worker_roles_by_flag_and_by_environment(
         got.append((config.scheduler, schedules))
         return 0
 
-    monkeypatch.setattr(nasiko_queue.cli, "_work", work_with_schedules)
+    monkeypatch.setattr(nasiko_queue.cli.worker, "_work", work_with_schedules)
     assert invoke(runner, *spec, "--schedules", "tests.cli_executors:schedules",
                   "--no-scheduler").exit_code == 0
     from tests.cli_executors import schedules
@@ -583,7 +583,7 @@ def test_bench_finds_the_runner_in_the_current_directory(tmp_path: Path) -> None
     (checkout / "benchmarks" / "__init__.py").write_text("")
     (checkout / "benchmarks" / "runner.py").write_text("def run_benchmarks(): ...\n")
     proc = _as_installed(checkout, tmp_path / "site-packages",
-                         "print(cli._import_bench_runner().__file__)")
+                         "print(cli.tools._import_bench_runner().__file__)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(checkout / "benchmarks" / "runner.py")
 
@@ -633,7 +633,7 @@ def test_bench_messages_keep_their_square_brackets(
     import nasiko_queue.cli
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(nasiko_queue.cli, "_import_bench_runner",
+    monkeypatch.setattr(nasiko_queue.cli.tools, "_import_bench_runner",
                         lambda: _runner_that_measures_nothing(seen, plots))
     out, png = tmp_path / "results[new].json", tmp_path / "bench[new].png"
     result = invoke(runner, "bench", "--dsn", dsn, "--out", str(out), "--plot", str(png))

@@ -28,7 +28,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Secret
-from nasiko_queue.job_admin import JobRefused, pause_queue, paused_queues, resume_queue
+from nasiko_queue.admin.jobs import JobRefused, pause_queue, paused_queues, resume_queue
 from nasiko_queue.web.dashboard import dashboard_app
 
 from .conftest import FAST

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from nasiko_queue import Database, DatabaseConfig, Queue, Worker, migrate, open_database
-from nasiko_queue.embedded import EmbeddedPostgres
+from nasiko_queue.db.embedded import EmbeddedPostgres
 from nasiko_queue.testing import enqueue_with_target
 
 from .conftest import FAST
@@ -163,7 +163,7 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     primary key or the partial index, never by a sequential scan of build_jobs
     (the claim's first form, a join, hashed one: its generic plan guesses
     LIMIT $1 at a tenth of the backlog)."""
-    from nasiko_queue._sql import Q
+    from nasiko_queue.db.statements import Q
 
     agent = (await enqueue_with_target(queue, "Upload")).target_id
     await queue.db.execute(
@@ -203,7 +203,7 @@ async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
     statistics taken while few jobs ran, takes in_progress for rare) must not
     scan the in_progress part of the work-queue index.
     """
-    from nasiko_queue._sql import Q
+    from nasiko_queue.db.statements import Q
 
     agent = (await enqueue_with_target(queue, "Upload")).target_id
     await queue.db.execute(
@@ -229,7 +229,7 @@ async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
 async def test_the_plain_finish_probes_its_jobs_by_primary_key(queue: Queue) -> None:
     """`plain_finish_many_and_claim`, as the test above: 2,000 jobs running
     elsewhere are not read to finish one."""
-    from nasiko_queue._sql import Q
+    from nasiko_queue.db.statements import Q
 
     await queue.db.execute(
         "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, finished_at, "
@@ -255,7 +255,7 @@ async def test_every_named_statement_is_valid_sql_for_the_schema(db: Database) -
     a wrong column (a reserved word as an alias once did, in worker_deregister)."""
     import attrs as _attrs
 
-    from nasiko_queue._sql import Q
+    from nasiko_queue.db.statements import Q
 
     async def prepare_all(conn: Any) -> list[str]:
         bad = []
@@ -275,7 +275,7 @@ def test_the_kinds_finish_statement_is_the_base_with_its_claim_replaced() -> Non
     two cannot drift (a fix to the finish once had to be made twice)."""
     import re
 
-    from nasiko_queue._sql import Q, parse
+    from nasiko_queue.db.statements import Q, parse
 
     def without_claim(text: str) -> str:
         text = re.sub(r"-- pending ids:\n.*?-- end of pending ids\n", "", text, flags=re.S)
@@ -296,7 +296,7 @@ def test_the_plain_finish_claims_with_the_text_of_plain_claim() -> None:
     import re
     from importlib import resources
 
-    from nasiko_queue._sql import Q, parse
+    from nasiko_queue.db.statements import Q, parse
 
     def code(text: str) -> list[str]:
         return [line.strip() for line in text.splitlines()
@@ -305,7 +305,7 @@ def test_the_plain_finish_claims_with_the_text_of_plain_claim() -> None:
     claim = code(re.sub(r"\$(\d+)", lambda m: f"${int(m[1]) + 2}", Q.plain_claim))
     finish = code(Q.plain_finish_many_and_claim)
     assert any(finish[i:i + len(claim)] == claim for i in range(len(finish))), finish
-    source = resources.files("nasiko_queue").joinpath("sql/queries.sql").read_text("utf-8")
+    source = resources.files("nasiko_queue").joinpath("db/queries.sql").read_text("utf-8")
     for once in ("WITH RECURSIVE priorities", "AND priority = priorities.priority",
                  "ORDER BY run_at, id", "FOR UPDATE SKIP LOCKED) AS due"):
         assert source.count(once) == 1, once

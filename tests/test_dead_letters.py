@@ -17,8 +17,7 @@ import trio
 from click.testing import CliRunner, Result
 
 from nasiko_queue import Database, Executors, JobArgs, JobOptions, Queue, Unique
-from nasiko_queue.cli import main
-from nasiko_queue.job_admin import (
+from nasiko_queue.admin.jobs import (
     JobFilter,
     JobNotFound,
     JobRefused,
@@ -29,8 +28,9 @@ from nasiko_queue.job_admin import (
     retry,
     retry_matching,
 )
-from nasiko_queue.job_view import job_view
-from nasiko_queue.retention import prune
+from nasiko_queue.admin.retention import prune
+from nasiko_queue.admin.view import job_view
+from nasiko_queue.cli import main
 from nasiko_queue.testing import enqueue_with_target, set_build_status
 
 from .conftest import FAST, MASTER_KEY

@@ -1,5 +1,5 @@
 """
-The queue's own connections (`engine_connections.ConnectionSet`), on a plain
+The queue's own connections (`db.connections.ConnectionSet`), on a plain
 asyncio loop against the real server: reuse without a round trip, the bound on
 their number, waiters served in order, broken connections replaced.
 """
@@ -13,7 +13,7 @@ from typing import TypeVar
 import asyncpg
 import pytest
 
-from nasiko_queue.engine_connections import ConnectionSet
+from nasiko_queue.db.connections import ConnectionSet
 
 T = TypeVar("T")
 

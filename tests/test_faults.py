@@ -14,7 +14,8 @@ import pytest
 import trio
 
 from nasiko_queue import Database, JobContext, Queue, Worker
-from nasiko_queue.jobs import MAX_ATTEMPTS_EXCEEDED, PgJobStore
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED
 from nasiko_queue.testing import enqueue_with_target
 
 from .helpers import (

@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from nasiko_queue import Queue, Worker
-from nasiko_queue.jobs import PgJobStore
+from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.testing import KINDS, enqueue_with_target, set_build_status
 
 from .helpers import TEST_DEADLINE, executors_for_all, job_row, succeed

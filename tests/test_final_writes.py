@@ -19,10 +19,10 @@ import trio
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, job_errors
 from nasiko_queue.config import QueueConfig
+from nasiko_queue.engine.retry import RetryPolicy, one_line
 from nasiko_queue.errors import FinalWriteRefused
 from nasiko_queue.job_errors import describe, one_line_error, storable
-from nasiko_queue.plain_executor import MAX_BACKOFF, clamp_backoff
-from nasiko_queue.retry import RetryPolicy, one_line
+from nasiko_queue.plain.executor import MAX_BACKOFF, clamp_backoff
 
 from .helpers import TEST_DEADLINE, LogEvent, running
 

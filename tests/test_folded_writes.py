@@ -19,9 +19,10 @@ import pytest
 import trio
 
 from nasiko_queue import Executors, JobContext, Queue, Worker
+from nasiko_queue.builds.payloads import Target
+from nasiko_queue.builds.store import BUILD_FAILED, JOB_PANICKED, PgJobStore
+from nasiko_queue.engine.contracts import BuildReport, JobStatus
 from nasiko_queue.executors import RunReport
-from nasiko_queue.jobs import BUILD_FAILED, JOB_PANICKED, BuildReport, JobStatus, PgJobStore
-from nasiko_queue.payloads import Target
 from nasiko_queue.testing import KINDS, Enqueued, enqueue_with_target, set_build_status
 
 from .helpers import TYPES, agent_state, build_state, connector_state, job_row, running

@@ -35,7 +35,7 @@ from nasiko_queue import (
     open_database,
 )
 from nasiko_queue.cli import main
-from nasiko_queue.embedded import EmbeddedPostgres
+from nasiko_queue.db.embedded import EmbeddedPostgres
 from nasiko_queue.testing import enqueue_with_target
 from nasiko_queue.web.bind import parse_bind
 from nasiko_queue.web.server import HttpService, build_app

@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from nasiko_queue import Database, JobContext, Queue, job_errors
+from nasiko_queue.admin.retention import prune
+from nasiko_queue.builds.store import JOB_PANICKED
 from nasiko_queue.job_errors import MAX_MESSAGE, MAX_TRACEBACK, describe, secret_values
-from nasiko_queue.jobs import JOB_PANICKED
-from nasiko_queue.retention import prune
 from nasiko_queue.testing import enqueue_with_target
 
 from .conftest import FAST, MASTER_KEY
@@ -139,7 +139,7 @@ def test_a_shown_payload_masks_secret_fields_plaintext_or_sealed() -> None:
     """`nasiko-queue job` shows payloads: a table shared with the original holds the
     agent kinds' env in plaintext (seal_agent_env=False); it is masked all the same,
     as is a sealed token in any field; nothing else changes."""
-    from nasiko_queue.job_view import mask_payload
+    from nasiko_queue.admin.view import mask_payload
 
     stored = {"kind": "Upload", "name": "crawler", "ports": [8000],
               "env": {"API_TOKEN": "plain-token", "LOG_LEVEL": "info"},

@@ -12,7 +12,8 @@ from typing import Any
 import trio
 
 from nasiko_queue import Queue
-from nasiko_queue.jobs import BUILD_FAILED, JobStatus, PgJobStore
+from nasiko_queue.builds.store import BUILD_FAILED, PgJobStore
+from nasiko_queue.engine.contracts import JobStatus
 from nasiko_queue.testing import KINDS, enqueue_with_target, set_build_status
 
 from .helpers import build_state, connector_state, job_row
@@ -258,7 +259,7 @@ async def test_the_claim_of_some_kinds_reads_only_their_rows(queue: Queue) -> No
     """The claim's plan goes through build_jobs_pending_kind (0011), one kind at a
     time, never through the age-ordered index of every pending row, which made
     such a claim read the whole backlog of the kinds it leaves to others."""
-    from nasiko_queue._sql import Q
+    from nasiko_queue.db.statements import Q
 
     [update] = await _pending_rows(queue, ["Update"])
     await queue.db.execute(  # a backlog of 20,000 jobs of a kind it does not run

@@ -31,9 +31,10 @@ from nasiko_queue import (
     QueueConfig,
     Worker,
 )
-from nasiko_queue.database import Database
-from nasiko_queue.jobs import ClaimedJob, PgJobStore
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.db.database import Database
+from nasiko_queue.engine.contracts import ClaimedJob
 from nasiko_queue.testing import KINDS, enqueue_with_target, set_build_status
 
 from .conftest import FAST, MASTER_KEY
@@ -403,7 +404,7 @@ async def test_a_hard_stop_keeps_heartbeating_until_its_executors_end(db: Databa
 def test_a_lane_config_is_the_workers_with_its_own_concurrency() -> None:
     """Guard for the lanes' shape: one `LaneState` per lane, sharing one
     `WorkerState` (counters, fence, scopes), never another lane's buffer."""
-    from nasiko_queue.state import LaneState, WorkerState
+    from nasiko_queue.engine.state import LaneState, WorkerState
 
     shared = WorkerState(QueueConfig())
     a = LaneState(attrs.evolve(QueueConfig(), concurrency=2), shared)

@@ -20,10 +20,9 @@ import pytest
 import trio
 
 from nasiko_queue import ConfigurationError, Database, JobContext, Queue, QueueConfig, Worker
-from nasiko_queue.jobs import (
-    JOB_PANICKED,
+from nasiko_queue.builds.store import JOB_PANICKED, PgJobStore
+from nasiko_queue.engine.contracts import (
     MAX_ATTEMPTS_EXCEEDED,
-    PgJobStore,
     RecoveryResult,
     RescueResult,
     WorkerIdentity,

@@ -185,7 +185,7 @@ async def test_a_job_put_back_after_a_crash_or_a_hard_stop_notifies_other_replic
     """A reset (a crash with attempts left, a hard stop's release, the sweep's reset
     of a stuck job) sends a NOTIFY, as the prefetch give-back does, so that another
     replica takes the job at once instead of at its next poll."""
-    from nasiko_queue.jobs import PgJobStore
+    from nasiko_queue.builds.store import PgJobStore
     from nasiko_queue.testing import KINDS
 
     seen: list[str] = []

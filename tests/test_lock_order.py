@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from nasiko_queue import Database, Queue, Worker, open_database
-from nasiko_queue.jobs import PgJobStore
+from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.testing import KINDS, insert_agent, insert_agent_build, make_payload
 
 from .conftest import FAST, MASTER_KEY

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from nasiko_queue import MigrationError, migrate, open_database
-from nasiko_queue.migrate import Migration, load_migrations
+from nasiko_queue.db.migrate import Migration, load_migrations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,7 +178,7 @@ def test_wheel_ships_the_migrations_and_the_type_marker(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "nasiko_queue/migrations/0001_schema.sql" in names
     assert "nasiko_queue/migrations/0003_mcp.sql" in names
-    assert "nasiko_queue/sql/queries.sql" in names
+    assert "nasiko_queue/db/queries.sql" in names
     assert "nasiko_queue/py.typed" in names
     # The dashboard's templates and stylesheet (package data, no build step).
     assert "nasiko_queue/web/templates/base.html" in names

@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from nasiko_queue import Database, migrate, open_database
-from nasiko_queue.embedded import EmbeddedPostgres, with_database
+from nasiko_queue.db.embedded import EmbeddedPostgres, with_database
 from nasiko_queue.errors import is_transient
 
 from .procs import (
@@ -127,7 +127,7 @@ async def test_an_answered_statement_is_not_failed_by_its_connection_dying_after
     db: Database, dsn: str
 ) -> None:
     """
-    Engine fix (database.py, `Database.run`): the server may drop a connection right
+    Engine fix (db/database.py, `Database.run`): the server may drop a connection right
     after answering on it (`pg_terminate_backend`, a shutdown). asyncpg then fails to
     reset it on release (InternalClientError), and `run` used to raise that error in
     place of the answer, so a committed claim was reported as failed and its job sat

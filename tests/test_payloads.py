@@ -10,9 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nasiko_queue.errors import InvalidPayload
-from nasiko_queue.job_args import JobArgs
-from nasiko_queue.payloads import (
+from nasiko_queue.builds.payloads import (
     BUILTIN_PAYLOAD_TYPES,
     Clone,
     GithubSource,
@@ -28,6 +26,8 @@ from nasiko_queue.payloads import (
     converter,
     raw_build_id,
 )
+from nasiko_queue.errors import InvalidPayload
+from nasiko_queue.plain.args import JobArgs
 from nasiko_queue.secrets import Secret, SecretBox, is_sealed_token
 
 B = "0b0b0b0b-0000-4000-8000-000000000001"  # build id

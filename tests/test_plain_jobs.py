@@ -28,7 +28,7 @@ from nasiko_queue import (
     Worker,
     job_errors,
 )
-from nasiko_queue.database import Database
+from nasiko_queue.db.database import Database
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE, running
@@ -404,8 +404,9 @@ async def test_a_dead_workers_plain_jobs_are_rescued_or_discarded(db: Database) 
     one on its last attempt is discarded; a cancelled one ends cancelled."""
     import uuid
 
-    from nasiko_queue.jobs import PgJobStore, WorkerIdentity
-    from nasiko_queue.plain_jobs import PlainJobStore
+    from nasiko_queue.builds.store import PgJobStore
+    from nasiko_queue.engine.contracts import WorkerIdentity
+    from nasiko_queue.plain.store import PlainJobStore
 
     config = attrs.evolve(FAST, heartbeat_interval=0.1, lease=0.6, rescue_interval=0.05)
     queue = Queue(db, config=config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nasiko_queue import Queue, Unique
-from nasiko_queue.plain_jobs import PlainJobStore
+from nasiko_queue.plain.store import PlainJobStore
 from nasiko_queue.testing.plain_machine import run_plain_state_machine
 
 from .test_plain_jobs import Step

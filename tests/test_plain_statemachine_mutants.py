@@ -14,15 +14,15 @@ import attrs
 import pytest
 from hypothesis import Phase, settings
 
-import nasiko_queue.job_admin
-import nasiko_queue.jobs
-import nasiko_queue.plain_jobs
+import nasiko_queue.admin.jobs
+import nasiko_queue.builds.store
+import nasiko_queue.plain.store
 import nasiko_queue.queue
-from nasiko_queue.lane import Lane
+from nasiko_queue.engine.lane import Lane
+from nasiko_queue.engine.worker import Worker
 from nasiko_queue.testing.mutants import plant_sql
 from nasiko_queue.testing.plain_machine import PlainStateMachine, plain_profile
 from nasiko_queue.testing.runner import expect_failure
-from nasiko_queue.worker import Worker
 
 #: The machine's own budget, without the shrink phase.
 HUNT = settings(plain_profile(), phases=[Phase.explicit, Phase.generate])
@@ -56,16 +56,16 @@ UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
 MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # The claim takes the job due first, whatever its priority.
     "claim_ignores_priority": lambda mp: plant_sql(
-        mp, nasiko_queue.plain_jobs, plain_claim=ORDER, plain_finish_many_and_claim=ORDER),
+        mp, nasiko_queue.plain.store, plain_claim=ORDER, plain_finish_many_and_claim=ORDER),
     # The claim takes scheduled jobs before their run_at.
     "claim_ignores_run_at": lambda mp: plant_sql(
-        mp, nasiko_queue.plain_jobs, plain_claim=DUE, plain_finish_many_and_claim=DUE),
+        mp, nasiko_queue.plain.store, plain_claim=DUE, plain_finish_many_and_claim=DUE),
     # A crash's retry is due at once, whatever the backoff said.
-    "retry_ignores_backoff": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_retry=(
+    "retry_ignores_backoff": lambda mp: plant_sql(mp, nasiko_queue.plain.store, plain_retry=(
         "now() + make_interval(secs => $3::double precision)",
         "now() + make_interval(secs => 0 * $3::double precision)")),
     # A crash on the last attempt makes the job available again instead of discarding it.
-    "retry_never_discards": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_retry=(
+    "retry_never_discards": lambda mp: plant_sql(mp, nasiko_queue.plain.store, plain_retry=(
         "attempt >= max_attempts", "attempt >= max_attempts + 1000")),
     # The unique insert never meets its key (each row's key made its own).
     "unique_ignores_the_key": lambda mp: plant_sql(
@@ -73,12 +73,12 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
         plain_insert=("$9, $10::text[]", "$9 || gen_random_uuid()::text, $10::text[]"),
         plain_insert_notify=("$9, $10::text[]", "$9 || gen_random_uuid()::text, $10::text[]")),
     # A cancel of a running job lets the run end completed.
-    "cancel_of_running_completes": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_end=(
+    "cancel_of_running_completes": lambda mp: plant_sql(mp, nasiko_queue.plain.store, plain_end=(
         "SET state = $3,",
         "SET state = CASE WHEN $3::text = 'cancelled' THEN 'completed' ELSE $3 END,")),
     # The rescue gives a dead worker's job back with its attempt not counted.
     "rescue_does_not_count_the_attempt": lambda mp: plant_sql(
-        mp, nasiko_queue.jobs, plain_rescue=(
+        mp, nasiko_queue.builds.store, plain_rescue=(
             "        claim_token = NULL\n    FROM nasiko_queue_workers AS w",
             "        claim_token = NULL,\n"
             "        attempt = CASE WHEN nasiko_queue_run_end(j.cancel_requested,\n"
@@ -87,9 +87,9 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
             "    FROM nasiko_queue_workers AS w")),
     # The dead-letter queue's retry keeps the attempts of the runs before.
     "dead_letter_retry_keeps_the_attempts": lambda mp: plant_sql(
-        mp, nasiko_queue.job_admin, plain_requeue=("attempt = 0,", "")),
+        mp, nasiko_queue.admin.jobs, plain_requeue=("attempt = 0,", "")),
     # A crash after a cancel was asked for makes the job available again.
-    "crash_after_cancel_retries": lambda mp: plant_sql(mp, nasiko_queue.plain_jobs, plain_retry=(
+    "crash_after_cancel_retries": lambda mp: plant_sql(mp, nasiko_queue.plain.store, plain_retry=(
         "nasiko_queue_run_end(cancel_requested,", "nasiko_queue_run_end(false,")),
     # The cancel restates its rule in three parts of one snapshot (issue #20): a
     # cancel that waits for a claim is lost.

@@ -16,10 +16,11 @@ import attrs
 import trio
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue
-from nasiko_queue.jobs import PgJobStore, RecoveryResult, WorkerIdentity
-from nasiko_queue.maintenance import StuckJobSweeper, SweeperConfig
-from nasiko_queue.plain_jobs import PlainJobStore
-from nasiko_queue.state import WorkerStats
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import RecoveryResult, WorkerIdentity
+from nasiko_queue.engine.maintenance import StuckJobSweeper, SweeperConfig
+from nasiko_queue.engine.state import WorkerStats
+from nasiko_queue.plain.store import PlainJobStore
 
 from .helpers import TEST_DEADLINE, running
 

@@ -14,7 +14,8 @@ from typing import Any
 import attrs
 
 from nasiko_queue import Database, Queue
-from nasiko_queue.jobs import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED, PgJobStore, RecoveryResult
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED, RecoveryResult
 from nasiko_queue.testing import (
     KINDS,
     enqueue_with_target,

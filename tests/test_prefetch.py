@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from nasiko_queue import Queue, Worker
+from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.errors import ConfigurationError
-from nasiko_queue.jobs import PgJobStore
 from nasiko_queue.testing import KINDS, Enqueued, enqueue_with_target
 
 from .helpers import TEST_DEADLINE, executors_for_all, job_row, succeed

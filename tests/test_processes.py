@@ -24,7 +24,8 @@ import pytest
 import trio
 
 from nasiko_queue import Database, Queue
-from nasiko_queue.jobs import MAX_ATTEMPTS_EXCEEDED, PgJobStore
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED
 
 from .procs import (
     AGE_PAST_THRESHOLD,

@@ -7,7 +7,8 @@ from typing import Any
 import trio
 
 from nasiko_queue import Queue
-from nasiko_queue.jobs import MAX_ATTEMPTS_EXCEEDED, PgJobStore, RecoveryResult
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED, RecoveryResult
 from nasiko_queue.testing import enqueue_with_target
 
 from .helpers import (

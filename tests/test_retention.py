@@ -10,8 +10,8 @@ import trio
 from click.testing import CliRunner
 
 from nasiko_queue import Database, Queue, open_database
+from nasiko_queue.admin.retention import parse_duration, prune
 from nasiko_queue.cli import main
-from nasiko_queue.retention import parse_duration, prune
 from nasiko_queue.testing import enqueue_with_target
 
 from .helpers import executors_for_all, running, succeed
@@ -124,7 +124,7 @@ async def test_prune_finds_old_finished_jobs_by_index_not_by_scanning_history(
 ) -> None:
     """With a long history, each batch of `prune` reads the finished rows it
     deletes through the partial index of 0007, not a scan of the whole table."""
-    from nasiko_queue._sql import Q
+    from nasiko_queue.db.statements import Q
 
     agent = (await enqueue_with_target(queue, "Upload")).target_id
     await db.execute(

@@ -41,7 +41,7 @@ from nasiko_queue import (
     Worker,
     open_database,
 )
-from nasiko_queue.schedules import SchedulerRound
+from nasiko_queue.plain.schedules import SchedulerRound
 
 from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE

@@ -12,8 +12,7 @@ import attrs
 import pytest
 
 from nasiko_queue import Database, JobContext, Queue
-from nasiko_queue.errors import InvalidPayload, SecretDecryptError, SecretsNotConfigured
-from nasiko_queue.payloads import (
+from nasiko_queue.builds.payloads import (
     Clone,
     GithubClone,
     GithubSource,
@@ -24,6 +23,7 @@ from nasiko_queue.payloads import (
     Upload,
     ZipSource,
 )
+from nasiko_queue.errors import InvalidPayload, SecretDecryptError, SecretsNotConfigured
 from nasiko_queue.secrets import Secret, SecretBox, generate_master_key, is_sealed_token
 from nasiko_queue.testing import enqueue_with_target, insert_agent, insert_agent_build
 
@@ -209,7 +209,7 @@ class TestSealedFields:
         assert codec.decode(encoded) == mcp({})
 
     def test_converter_alone_never_writes_a_secret(self) -> None:
-        from nasiko_queue.payloads import converter
+        from nasiko_queue.builds.payloads import converter
 
         with pytest.raises(Exception, match="sealed"):
             converter.unstructure(mcp({"API_KEY": Secret(PLAINTEXT)}))

@@ -15,11 +15,12 @@ from uuid import UUID
 import pytest
 from hypothesis import Phase, settings
 
-import nasiko_queue.job_executor
-import nasiko_queue.jobs
+import nasiko_queue.builds.executor
+import nasiko_queue.builds.store
 from nasiko_queue import Database, Queue, Worker
-from nasiko_queue.job_executor import JobExecutor
-from nasiko_queue.jobs import ClaimedJob, PgJobStore, RecoveryResult
+from nasiko_queue.builds.executor import JobExecutor
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import ClaimedJob, RecoveryResult
 from nasiko_queue.testing.machine import QueueStateMachine, profile, run_queue_state_machine
 from nasiko_queue.testing.model import Outcome
 from nasiko_queue.testing.mutants import plant_sql, swap
@@ -73,7 +74,7 @@ async def sweep_ignores_attempt(self: PgJobStore) -> RecoveryResult:
 async def test_finds_terminalization_that_forgets_connectors(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real: Callable[..., Any] = nasiko_queue.jobs.terminalize_target
+    real: Callable[..., Any] = nasiko_queue.builds.store.terminalize_target
 
     async def forgets_connectors(conn: Any, agent_id: Any, connector_id: Any,
                                  own_build_id: Any) -> Any:
@@ -81,7 +82,7 @@ async def test_finds_terminalization_that_forgets_connectors(
             return None  # bug: connectors are never terminalized
         return await real(conn, agent_id, connector_id, own_build_id)
 
-    swap(monkeypatch, nasiko_queue.jobs, "terminalize_target", forgets_connectors)
+    swap(monkeypatch, nasiko_queue.builds.store, "terminalize_target", forgets_connectors)
     await _expect_failure(dsn, QueueStateMachine)
 
 
@@ -95,7 +96,7 @@ async def endless_crash_retries(self: JobExecutor, job: ClaimedJob,
 async def fails_an_attempt_early(self: JobExecutor, job: ClaimedJob,
                                  build_id: UUID | None) -> None:
     if job.old_attempt + 2 >= self.config.max_attempts:  # bug: + 2
-        await self._fail(job, nasiko_queue.job_executor.JOB_PANICKED, own_build_id=build_id)
+        await self._fail(job, nasiko_queue.builds.executor.JOB_PANICKED, own_build_id=build_id)
     else:
         await self.retry.final("reset", lambda: self.store.reset(job))
         self.wake()
@@ -158,7 +159,8 @@ async def test_finds_a_sweep_whose_threshold_is_in_the_wrong_unit(
 ) -> None:
     """make_interval(secs => 60) or (hours => 60) instead of (mins => 60)."""
     wrong = ("make_interval(mins => $1)", f"make_interval({unit} => $1)")
-    plant_sql(monkeypatch, nasiko_queue.jobs, jobs_stuck_exhausted=wrong, jobs_reset_stuck=wrong,
+    plant_sql(monkeypatch, nasiko_queue.builds.store, jobs_stuck_exhausted=wrong,
+              jobs_reset_stuck=wrong,
               job_fail=("make_interval(mins => $4)", f"make_interval({unit} => $4)"))
     notes = await _expect_failure(dsn, QueueStateMachine, shrink=False)
     assert re.search(r"state\.(age_stuck_jobs|poison_job|stall|stale_writer)\(", notes), notes
@@ -171,7 +173,7 @@ async def test_finds_a_finish_that_takes_any_status_but_failed_as_success(
     """Only a run that returns with its build row neither 'success' nor 'failed'
     shows this bug, so the machine's executors play those outcomes (the default
     examples, which follow the machine's source, may hold too few of them)."""
-    plant_sql(monkeypatch, nasiko_queue.jobs, jobs_finish_many_and_claim=(
+    plant_sql(monkeypatch, nasiko_queue.builds.store, jobs_finish_many_and_claim=(
         "SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,\n"
         "        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,",
         "SET status = CASE WHEN o.build_status = 'failed' THEN 'failed' ELSE 'done' END,\n"
@@ -203,7 +205,7 @@ async def test_finds_final_writes_that_do_not_check_the_claim_is_current(
     # The attempt is still passed, but no longer compared with the row's.
     unguarded = guard.rsplit(" AND ", 1)[0] + (
         " AND $2::int IS NOT NULL" if write != "finish" else "")
-    plant_sql(monkeypatch, nasiko_queue.jobs, **{statement: (guard, unguarded)})
+    plant_sql(monkeypatch, nasiko_queue.builds.store, **{statement: (guard, unguarded)})
     # Which rule meets the stale write first depends on timing (a hard stop's
     # release is a reset too); any failing example counts.
     await _expect_failure(dsn, QueueStateMachine, shrink=False)
@@ -216,8 +218,8 @@ async def test_finds_a_changed_error_message(
 ) -> None:
     """The engine writes a message that is not the documented one (the model spells
     each out itself; it does not import the engine's)."""
-    changed = getattr(nasiko_queue.jobs, message).replace(" ", "  ", 1)
-    for module in (nasiko_queue.jobs, nasiko_queue.job_executor):
+    changed = getattr(nasiko_queue.builds.store, message).replace(" ", "  ", 1)
+    for module in (nasiko_queue.builds.store, nasiko_queue.builds.executor):
         if hasattr(module, message):
             monkeypatch.setattr(module, message, changed)
     await _expect_failure(dsn, QueueStateMachine, shrink=False)
@@ -231,12 +233,12 @@ async def test_finds_a_rescue_that_takes_the_wrong_jobs(
     """The rescue gives back jobs of workers that still heartbeat, or resets jobs
     with no attempts left instead of failing them."""
     if bug == "takes_live_workers_jobs":
-        plant_sql(monkeypatch, nasiko_queue.jobs, jobs_rescue=(
+        plant_sql(monkeypatch, nasiko_queue.builds.store, jobs_rescue=(
             "WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL",
             "WHERE w.id = j.claimed_by"))
     else:
         plant_sql(
-            monkeypatch, nasiko_queue.jobs,
+            monkeypatch, nasiko_queue.builds.store,
             jobs_rescue=("AND j.status = 'in_progress' AND j.attempt < $1",
                          "AND j.status = 'in_progress' AND $1::int IS NOT NULL"),
             jobs_held_by_dead_exhausted=("AND j.attempt >= $1", "AND j.attempt >= $1 + 100"))
@@ -252,7 +254,7 @@ async def test_finds_a_sweep_that_takes_a_live_workers_job(
     live = ("  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w\n"
             "                  WHERE w.id = j.claimed_by AND w.dead_at IS NULL)", "")
     plant_sql(
-        monkeypatch, nasiko_queue.jobs,
+        monkeypatch, nasiko_queue.builds.store,
         jobs_stuck_exhausted=live,
         jobs_reset_stuck=("AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w  "
                           "-- as in jobs_stuck_exhausted\n" + " " * 22 +
@@ -296,7 +298,7 @@ _FINISHES = ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds")
 
 
 def _in_both_finishes(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
-    plant_sql(monkeypatch, nasiko_queue.jobs, **dict.fromkeys(_FINISHES, (old, new)))
+    plant_sql(monkeypatch, nasiko_queue.builds.store, **dict.fromkeys(_FINISHES, (old, new)))
 
 
 @pytest.mark.slow

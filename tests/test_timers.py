@@ -17,8 +17,14 @@ import trio
 import trio.testing
 
 from nasiko_queue import Database, Executors, JobContext, Queue, QueueConfig, Upload, Worker
-from nasiko_queue.jobs import ClaimedJob, Heartbeat, JobStatus, RecoveryResult, RescueResult
-from nasiko_queue.payloads import PayloadCodec
+from nasiko_queue.builds.payloads import PayloadCodec
+from nasiko_queue.engine.contracts import (
+    ClaimedJob,
+    Heartbeat,
+    JobStatus,
+    RecoveryResult,
+    RescueResult,
+)
 from nasiko_queue.testing import make_payload
 
 

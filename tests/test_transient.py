@@ -21,9 +21,10 @@ import trio
 from asyncpg import exceptions as pg
 
 from nasiko_queue import Database, DatabaseConfig, Queue, open_database
-from nasiko_queue.cli import _unreachable
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.cli.worker import _unreachable
+from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED, RecoveryResult
 from nasiko_queue.errors import OutcomeUnknown, is_transient
-from nasiko_queue.jobs import MAX_ATTEMPTS_EXCEEDED, PgJobStore, RecoveryResult
 from nasiko_queue.testing import KINDS, enqueue_with_target
 
 from .helpers import LogEvent, agent_state, executors_for_all, job_row, running, succeed

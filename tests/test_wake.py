@@ -23,11 +23,12 @@ import pytest
 import trio
 
 from nasiko_queue import JobArgs, JobContext, JobOptions, PlainJobContext, Queue
-from nasiko_queue.database import Database
-from nasiko_queue.jobs import ClaimedJob, PgJobStore
-from nasiko_queue.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.db.database import Database
+from nasiko_queue.engine.contracts import ClaimedJob
+from nasiko_queue.engine.worker import Worker
 from nasiko_queue.testing import enqueue_with_target
-from nasiko_queue.worker import Worker
 
 from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE, executors_for_all, running, succeed

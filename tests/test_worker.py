@@ -27,13 +27,8 @@ from nasiko_queue import (
     Upload,
     Worker,
 )
-from nasiko_queue.jobs import (
-    BUILD_FAILED,
-    INVALID_PAYLOAD,
-    JOB_PANICKED,
-    MAX_ATTEMPTS_EXCEEDED,
-    TARGET_DELETED,
-)
+from nasiko_queue.builds.store import BUILD_FAILED, JOB_PANICKED, TARGET_DELETED
+from nasiko_queue.engine.contracts import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED
 from nasiko_queue.testing import (
     KINDS,
     enqueue_with_target,

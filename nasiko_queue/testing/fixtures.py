@@ -17,8 +17,7 @@ from uuid import UUID
 
 import attrs
 
-from .._sql import Q
-from ..payloads import (
+from ..builds.payloads import (
     Clone,
     GithubClone,
     GithubSource,
@@ -30,6 +29,7 @@ from ..payloads import (
     Upload,
     ZipSource,
 )
+from ..db.statements import Q
 from ..queue import Queue
 
 #: The seven built-in kinds, in the original's order.

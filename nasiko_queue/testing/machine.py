@@ -50,15 +50,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from .._sql import Q
+from ..builds.payloads import BUILTIN_PAYLOAD_TYPES, Payload
+from ..builds.store import PgJobStore
 from ..config import QueueConfig
-from ..database import Database
+from ..db.database import Database
+from ..db.statements import Q
+from ..engine.contracts import MAINTENANCE_ROLE, BuildReport, JobStore, WorkerIdentity
+from ..engine.worker import Worker
 from ..executors import Executors, JobContext
-from ..jobs import MAINTENANCE_ROLE, BuildReport, JobStore, PgJobStore, WorkerIdentity
-from ..payloads import BUILTIN_PAYLOAD_TYPES, Payload
 from ..queue import Queue
 from ..secrets import SecretBox
-from ..worker import Worker
 from .fixtures import (
     KINDS,
     insert_agent,

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from .._sql import Queries
+from ..db.statements import Queries
 
 #: A replacement in one statement: (old, new), or (old, new, n) where `old`
 #: stands n times (every one is replaced).

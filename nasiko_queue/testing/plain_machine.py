@@ -43,17 +43,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from .. import job_admin
-from .._sql import Q
+from ..admin import jobs as job_admin
+from ..builds.store import PgJobStore
 from ..config import QueueConfig
-from ..database import Database
+from ..db.database import Database
+from ..db.statements import Q
+from ..engine.contracts import WorkerIdentity
+from ..engine.state import WorkerStats
+from ..engine.worker import Worker
 from ..executors import Executors, PlainJobContext
-from ..job_args import JobArgs, JobOptions, Unique
-from ..jobs import PgJobStore, WorkerIdentity
-from ..plain_jobs import PlainJobStore
+from ..plain.args import JobArgs, JobOptions, Unique
+from ..plain.store import PlainJobStore
 from ..queue import Queue
-from ..state import WorkerStats
-from ..worker import Worker
 from .plain_model import (
     AVAILABLE,
     CANCELLED,
@@ -323,7 +324,7 @@ class PlainStateMachine(DatabaseMachine):
     @rule(data=st.data())
     def retry_dead_job(self, data: st.DataObject) -> None:
         """
-        The dead-letter queue's retry (`job_admin.retry`): a discarded job runs
+        The dead-letter queue's retry (`admin.jobs.retry`): a discarded job runs
         again from attempt 0; it is refused, and nothing changes, while another
         job holds its unique key.
         """

@@ -7,7 +7,7 @@ cancel, a worker that dies holding a job, the leader's rescue) it says what
 every plain job's state and attempt must be, which job a claim must take, and
 what `Queue.cancel` and a unique enqueue must answer. `plain_machine.py`
 drives the real engine and this model side by side. Keep it plain: it is the
-documentation of migrations/0010_plain_jobs.sql and `plain_executor.py`.
+documentation of migrations/0010_plain_jobs.sql and `plain/executor.py`.
 
 Time is the model's own clock (`now`, seconds); the machine moves the rows'
 `run_at` back in SQL by the same amounts, so a job is due in the database
@@ -157,7 +157,7 @@ class PlainModel:
         self.now += seconds
 
     def retry_dead(self, job_id: UUID) -> None:
-        """The dead-letter queue's retry (`job_admin.retry`): a discarded job is
+        """The dead-letter queue's retry (`admin.jobs.retry`): a discarded job is
         available again now, its attempts forgotten."""
         job = self.jobs[job_id]
         assert job.state == DISCARDED

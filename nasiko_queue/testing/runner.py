@@ -28,8 +28,8 @@ import trio
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_machine_as_test
 
-from .._sql import Q
-from ..database import Database, open_database
+from ..db.database import Database, open_database
+from ..db.statements import Q
 from ..secrets import SecretBox
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ forms.
 Safety model:
 
 - every page is readable by whoever reaches the bind address (127.0.0.1 by
-  default); payload secrets are masked (`job_view.mask_payload`) before a
+  default); payload secrets are masked (`admin.view.mask_payload`) before a
   template sees them;
 - an action needs the token: a session from the login form (an HttpOnly,
   SameSite=Strict cookie naming a random server-side session) or an
@@ -46,14 +46,14 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra onl
 
 import attrs
 
-from .. import job_admin
-from .._sql import Q
+from ..admin import jobs as job_admin
+from ..admin.jobs import JobFilter, JobNotFound, JobRefused
+from ..admin.status import queue_status
+from ..admin.view import job_view
 from ..config import QueueConfig
-from ..database import Database
-from ..job_admin import JobFilter, JobNotFound, JobRefused
-from ..job_view import job_view
-from ..schedules import Schedule
-from ..status import queue_status
+from ..db.database import Database
+from ..db.statements import Q
+from ..plain.schedules import Schedule
 
 _HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "nq_session"

@@ -18,11 +18,11 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from .._sql import Q
-from ..migrate import Migration, load_migrations
+from ..db.migrate import Migration, load_migrations
+from ..db.statements import Q
+from ..engine.retry import one_line
+from ..engine.worker import Worker
 from ..queue import Queue
-from ..retry import one_line
-from ..worker import Worker
 
 
 @attrs.frozen

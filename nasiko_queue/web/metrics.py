@@ -54,11 +54,11 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .._sql import Q
+from ..db.statements import Q
+from ..engine.retry import one_line
+from ..engine.state import Timings
+from ..engine.worker import Worker
 from ..queue import Queue
-from ..retry import one_line
-from ..state import Timings
-from ..worker import Worker
 
 log = logging.getLogger("nasiko_queue.web")
 

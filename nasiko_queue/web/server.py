@@ -37,8 +37,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 import attrs
 import trio
 
+from ..engine.worker import Worker
 from ..queue import Queue
-from ..worker import Worker
 from .bind import DEFAULT_HOST, DEFAULT_PORT, parse_bind
 from .health import Health
 from .metrics import Metrics

@@ -1,0 +1,4 @@
+"""
+Administration: job listings, retry/discard/cancel, one job's view, retention
+and the queue's status.
+"""

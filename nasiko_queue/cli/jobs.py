@@ -1,0 +1,309 @@
+"""
+`nasiko-queue job` and `nasiko-queue jobs`: one job's view; list, retry, cancel and
+discard jobs (the dead letters).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from ..admin.jobs import (
+    STATES,
+    BulkResult,
+    JobFilter,
+    JobNotFound,
+    JobRefused,
+    JobSummary,
+    cancel,
+    count_matching,
+    discard,
+    discard_matching,
+    list_jobs,
+    retry,
+    retry_matching,
+)
+from ..admin.view import JobView, job_view
+from ..db.database import Database, open_database
+from ..job_errors import JobError, job_errors
+from .common import (
+    OperatorError,
+    _Age,
+    _parse_older_than,
+    _require_dsn,
+    _run,
+    _wide_console,
+    dsn_option,
+    main,
+)
+
+# -- job --------------------------------------------------------------------------
+
+
+@main.command("job", short_help="Show one job: its row, payload and errors.")
+@click.argument("job_id", type=click.UUID)
+@dsn_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def job_command(job_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
+    """
+    Show the job JOB_ID: status, attempts, times, the worker holding it, its payload
+    (secret values masked) and the error of every crashed attempt, with its
+    traceback. Errors outlive a job deleted with its target: they are shown alone.
+    """
+    dsn = _require_dsn(dsn)
+
+    async def go() -> tuple[JobView | None, list[JobError]]:
+        async with open_database(dsn) as db:
+            view = await job_view(db, job_id)
+            return view, list(view.errors) if view else await job_errors(db, job_id)
+
+    view, errors = _run(dsn, go)
+    if view is None and not errors:
+        raise click.ClickException(f"no job {job_id} (and no errors kept for it)")
+    if as_json:
+        click.echo(json.dumps(view.to_json() if view else {
+            "id": str(job_id), "gone": True, "errors": [e.to_json() for e in errors]},
+            indent=2))
+        return
+    console = _wide_console()
+    if view is None:
+        console.print(f"job {job_id}: the row is gone (deleted with its target); "
+                      f"{len(errors)} error(s) kept")
+    else:
+        row = Table(title=f"job {job_id}", show_header=False)
+        row.add_column("field")
+        row.add_column("value")
+        if view.target_deleted:
+            console.print(f"[yellow]a kept copy: its target was deleted with it at "
+                          f"{view.deleted_at} (it cannot be retried)[/]")
+        for name in ("source", "queue", "kind", "status", "attempt", "max_attempts",
+                     "error_msg", "agent_id", "connector_id", "owner_id", "created_at",
+                     "run_at", "picked_at", "completed_at", "claimed_by"):
+            value = getattr(view, name)
+            row.add_row(name, "-" if value is None else escape(str(value)))
+        console.print(row)
+        console.print(escape(json.dumps(view.payload, indent=2)))
+    for e in errors:
+        console.print(f"[bold]attempt {e.attempt}[/] {e.reason} at {e.at} "
+                      f"(worker {e.worker_id or '-'}): {escape(e.error_type)}: "
+                      f"{escape(e.message)}")
+        console.print(escape(e.traceback.rstrip()), style="dim")
+
+
+# -- jobs -------------------------------------------------------------------------
+
+
+@main.group("jobs", short_help="List, retry, cancel and discard jobs (the dead letters).")
+def jobs_group() -> None:
+    """
+    The dead-letter queue and job listings, over build jobs (queue "builds") and
+    plain jobs alike. Build jobs are listed in the plain jobs' states: pending is
+    available, in_progress running, done completed, failed discarded.
+    """
+
+
+_ANY = "any"
+
+
+def _parse_optional_age(ctx: click.Context, param: click.Parameter,
+                        value: str | None) -> _Age | None:
+    return None if value is None else _parse_older_than(ctx, param, value)
+
+
+def _filter_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed((
+        click.option("--queue", default=None, help='Only this queue ("builds": build jobs).'),
+        click.option("--kind", default=None, help="Only this kind."),
+        click.option("--state", type=click.Choice((*STATES, _ANY)), default="discarded",
+                     show_default=True, help="Only jobs in this state (any: all)."),
+        click.option("--older-than", default=None, metavar="DURATION",
+                     callback=_parse_optional_age,
+                     help="Only jobs that ended (or, unfinished, were created) longer "
+                          "ago than this, e.g. 1h, 7d."),
+    )):
+        fn = option(fn)
+    return fn
+
+
+def _job_filter(queue: str | None, kind: str | None, state: str,
+                older_than: _Age | None, limit: int = 50) -> JobFilter:
+    return JobFilter(queue=queue, kind=kind, state=None if state == _ANY else state,
+                     older_than=older_than.delta if older_than else None, limit=limit)
+
+
+@jobs_group.command("list", short_help="List jobs, newest first (default: the dead letters).")
+@dsn_option
+@_filter_options
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Jobs per page.")
+@click.option("--after", default=None, metavar="CURSOR",
+              help="The page after this cursor (printed under the previous page).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def jobs_list_command(dsn: str | None, queue: str | None, kind: str | None, state: str,
+                      older_than: _Age | None, limit: int, after: str | None,
+                      as_json: bool) -> None:
+    """
+    List jobs, newest first: by default the dead letters (discarded plain jobs and
+    failed build jobs, also those deleted with their target), one page at a time.
+    """
+    dsn = _require_dsn(dsn)
+    where = _job_filter(queue, kind, state, older_than, limit)
+
+    async def go() -> list[JobSummary]:
+        async with open_database(dsn) as db:
+            return await list_jobs(db, where, after=after)
+
+    try:
+        jobs = _run(dsn, go)
+    except ValueError as exc:  # a malformed --after
+        raise OperatorError(f"--after: {exc}") from None
+    if as_json:
+        click.echo(json.dumps({"jobs": [j.to_json() for j in jobs],
+                               "next": jobs[-1].cursor if len(jobs) == limit else None},
+                              indent=2))
+        return
+    console = _wide_console()
+    table = Table(title=f"{len(jobs)} job{'' if len(jobs) == 1 else 's'}")
+    for column in ("id", "queue", "kind", "state", "attempt", "at", "error"):
+        table.add_column(column)
+    for j in jobs:
+        state_text = f"{j.state} (target deleted)" if j.target_deleted else j.state
+        attempts = f"{j.attempt}/{j.max_attempts}" if j.max_attempts else str(j.attempt)
+        table.add_row(str(j.id), escape(j.queue), escape(j.kind or "-"), state_text, attempts,
+                      j.at.isoformat(timespec="seconds"), escape(j.error_msg or "-"))
+    console.print(table)
+    if len(jobs) == limit:
+        console.print(f"next page: --after {escape(jobs[-1].cursor)}")
+
+
+def _bulk_command(verb: str, one: Callable[[Database, uuid.UUID], Awaitable[object]],
+                  matching: Callable[[Database, JobFilter], Awaitable[BulkResult]],
+                  dsn: str | None, job_ids: tuple[uuid.UUID, ...], all_matching: bool,
+                  yes: bool, where: JobFilter, filtered: bool) -> None:
+    """
+    Act on the jobs named, or with --all on every job the filters match: the
+    count first, and nothing done without --yes. Refusals are printed one per
+    job on stderr and make the exit code 1; the others are done anyway.
+    """
+    dsn = _require_dsn(dsn)
+    if all_matching == bool(job_ids):
+        raise OperatorError(f"name the jobs to {verb}, or pass --all (with filters)")
+    if filtered and not all_matching:
+        raise OperatorError("--queue, --kind, --state and --older-than go with --all")
+
+    async def go() -> BulkResult | int:
+        async with open_database(dsn) as db:
+            if all_matching:
+                if not yes:
+                    return await count_matching(db, where)
+                return await matching(db, where)
+            done: list[uuid.UUID] = []
+            refused: list[tuple[uuid.UUID, str]] = []
+            for job_id in job_ids:
+                try:
+                    await one(db, job_id)
+                except (JobRefused, JobNotFound) as exc:
+                    refused.append((job_id, str(exc)))
+                else:
+                    done.append(job_id)
+            return BulkResult(tuple(done), tuple(refused))
+
+    result = _run(dsn, go)
+    if isinstance(result, int):
+        click.echo(f"{result} job{'' if result == 1 else 's'} match; nothing done: pass "
+                   f"--yes to {verb} {'it' if result == 1 else 'them'}", err=True)
+        sys.exit(1)
+    for job_id in result.done:
+        click.echo(f"{_DONE[verb]} {job_id}")
+    for _job_id, reason in result.refused:
+        click.echo(reason, err=True)
+    if result.refused:
+        sys.exit(1)
+
+
+_DONE = {"retry": "retried", "discard": "discarded"}
+
+
+def _bulk_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--yes", is_flag=True, help="With --all: do it (without: only count).")(fn)
+    fn = click.option("--all", "all_matching", is_flag=True,
+                      help="Every job the filters match (state: discarded unless given).")(fn)
+    fn = _filter_options(fn)
+    fn = dsn_option(fn)
+    return click.argument("job_ids", nargs=-1, type=click.UUID)(fn)
+
+
+def _filtered(queue: str | None, kind: str | None, older_than: _Age | None) -> bool:
+    source = click.get_current_context().get_parameter_source("state")
+    return (queue is not None or kind is not None or older_than is not None
+            or source is not click.core.ParameterSource.DEFAULT)
+
+
+@jobs_group.command("retry", short_help="Run dead jobs again.")
+@_bulk_options
+def jobs_retry_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None, queue: str | None,
+                       kind: str | None, state: str, older_than: _Age | None,
+                       all_matching: bool, yes: bool) -> None:
+    """
+    Run the jobs JOB_ID... again, or with --all every job the filters match.
+
+    A discarded or cancelled plain job becomes available with its attempts reset;
+    a failed build job becomes pending with attempt 0, its build row queued and a
+    failed agent deploying again. A build job whose agent was deleted when it
+    failed for good is refused: enqueue a new job for a new agent instead.
+    """
+    _bulk_command("retry", retry, retry_matching, dsn, job_ids, all_matching, yes,
+                  _job_filter(queue, kind, state, older_than),
+                  _filtered(queue, kind, older_than))
+
+
+@jobs_group.command("discard", short_help="Delete finished jobs for good.")
+@_bulk_options
+def jobs_discard_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None, queue: str | None,
+                         kind: str | None, state: str, older_than: _Age | None,
+                         all_matching: bool, yes: bool) -> None:
+    """
+    Delete the finished jobs JOB_ID... (or with --all every match) and their kept
+    errors. Waiting and running jobs are refused: cancel them first.
+    """
+    _bulk_command("discard", discard, discard_matching, dsn, job_ids, all_matching, yes,
+                  _job_filter(queue, kind, state, older_than),
+                  _filtered(queue, kind, older_than))
+
+
+@jobs_group.command("cancel", short_help="Cancel waiting or running plain jobs.")
+@click.argument("job_ids", nargs=-1, type=click.UUID, required=True)
+@dsn_option
+def jobs_cancel_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None) -> None:
+    """
+    Cancel the plain jobs JOB_ID...: a waiting one ends cancelled at once, a running
+    one is stopped by its worker at its next heartbeat. Build jobs cannot be cancelled.
+    """
+    dsn = _require_dsn(dsn)
+
+    async def go() -> list[tuple[uuid.UUID, str, bool]]:
+        out: list[tuple[uuid.UUID, str, bool]] = []
+        async with open_database(dsn) as db:
+            for job_id in job_ids:
+                try:
+                    out.append((job_id, await cancel(db, job_id), True))
+                except (JobRefused, JobNotFound) as exc:
+                    out.append((job_id, str(exc), False))
+        return out
+
+    failed = False
+    for job_id, what, ok in _run(dsn, go):
+        if ok:
+            click.echo(f"{what} {job_id}")
+        else:
+            click.echo(what, err=True)
+            failed = True
+    if failed:
+        sys.exit(1)

@@ -1,0 +1,155 @@
+"""
+The migrator: plain SQL files, applied in order, each in one transaction.
+
+Files are named ``NNNN_name.sql``. Each applied file is recorded with a checksum
+in ``nasiko_queue_migrations``; running `migrate` again changes nothing, and a
+released file that was edited afterwards is refused rather than silently
+skipped. A session advisory lock serialises migrators, so any number of
+replicas may start at once.
+
+A file whose first line is ``--! no-transaction`` runs outside a transaction,
+one statement at a time (split at each ``;`` that ends a line; such a file may
+not use dollar quoting), and is recorded once every statement has run. This is
+for ``CREATE INDEX CONCURRENTLY``, which PostgreSQL refuses inside a
+transaction and which, unlike a plain ``CREATE INDEX``, does not block writes
+to a big table while it builds. Its statements must be safe to run again: a
+file that failed half-way is not recorded and runs again from the top.
+
+The files live in the repository's top-level ``migrations/`` folder; wheels
+carry a copy inside the package (``nasiko_queue/migrations``), which is where
+an installed package finds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
+
+import asyncpg
+import attrs
+
+from ..errors import MigrationError
+from .database import Database
+from .statements import Q
+
+log = logging.getLogger("nasiko_queue.migrate")
+
+_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+#: First line of a migration that must run outside a transaction.
+NO_TRANSACTION = "--! no-transaction"
+
+
+@attrs.frozen
+class Migration:
+    version: str
+    name: str
+    sql: str = attrs.field(repr=False)
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode("utf-8")).hexdigest()
+
+    @property
+    def in_transaction(self) -> bool:
+        """False for a file that starts with ``--! no-transaction``."""
+        return not self.sql.lstrip().startswith(NO_TRANSACTION)
+
+    def statements(self) -> list[str]:
+        """The statements of a no-transaction file, one by one."""
+        if "$$" in self.sql:
+            raise MigrationError(f"migration {self.version}_{self.name}: a no-transaction "
+                                 "file is split at each ';' that ends a line, so it may "
+                                 "not use dollar quoting")
+        parts = re.split(r";[ \t]*(?:\n|$)", self.sql)
+        return [part.strip() for part in parts if _has_sql(part)]
+
+
+def _has_sql(text: str) -> bool:
+    """Whether `text` holds more than comments and blank lines."""
+    return any(line.strip() and not line.strip().startswith("--")
+               for line in text.splitlines())
+
+
+def migrations_dir() -> Traversable:
+    """The packaged copy when installed from a wheel, else the repository's folder."""
+    packaged = resources.files("nasiko_queue").joinpath("migrations")
+    if packaged.is_dir():
+        return packaged
+    source = Path(__file__).resolve().parents[2] / "migrations"
+    if source.is_dir():
+        return source
+    raise MigrationError("no migrations folder found (neither packaged nor in the source tree)")
+
+
+def load_migrations(folder: Traversable | None = None) -> list[Migration]:
+    folder = folder or migrations_dir()
+    found = []
+    for entry in folder.iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(match[1], match[2], entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise MigrationError(f"two migration files share a version: {versions}")
+    return found
+
+
+async def _lock(conn: asyncpg.Connection) -> None:
+    """
+    Take the migrators' session lock, trying again after a pause while another
+    replica holds it (see `migrations_lock` for why it is not waited for inside
+    the server). Runs on the asyncio side, hence asyncio's sleep.
+    """
+    pause = 0.05
+    while not await conn.fetchval(Q.migrations_lock):
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 1.0)
+
+
+async def _apply(conn: asyncpg.Connection, m: Migration, statements: list[str]) -> None:
+    for statement in statements:
+        try:
+            await conn.execute(statement)
+        except asyncpg.PostgresError as exc:
+            raise MigrationError(f"migration {m.version}_{m.name} failed: {exc}") from exc
+
+
+async def migrate(db: Database, migrations: list[Migration] | None = None) -> list[str]:
+    """Apply every migration not yet applied; return the versions applied now."""
+    todo = migrations if migrations is not None else load_migrations()
+
+    async def op(conn: asyncpg.Connection) -> list[str]:
+        await _lock(conn)
+        try:
+            await conn.execute(Q.migrations_create_table)
+            applied = {r["version"]: r for r in await conn.fetch(Q.migrations_applied)}
+            done: list[str] = []
+            for m in todo:
+                row = applied.get(m.version)
+                if row is not None:
+                    if row["checksum"] != m.checksum:
+                        raise MigrationError(
+                            f"migration {m.version}_{m.name} changed after it was applied; "
+                            "released migrations are never edited: add a new numbered file"
+                        )
+                    continue
+                if m.in_transaction:
+                    async with conn.transaction():
+                        await _apply(conn, m, [m.sql])
+                        await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
+                else:
+                    await _apply(conn, m, m.statements())
+                    await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
+                log.info("applied migration %s_%s", m.version, m.name)
+                done.append(m.version)
+            return done
+        finally:
+            await conn.execute(Q.migrations_unlock)
+
+    return await db.run(op)

@@ -1,0 +1,1404 @@
+-- Every statement nasiko-queue sends, in one place.
+--
+-- Each block starts with `-- name: <table>_<verb>` and a line saying what it is
+-- for. `statements.py` loads this file once and checks that it holds exactly the names
+-- the code uses. Constants (MAX_ATTEMPTS, STUCK_JOB_MINS, the fixed error strings)
+-- are bound as parameters from config.py/builds/store.py, never spelled out here.
+
+-- name: job_insert
+-- Enqueue: a pending job with attempt 0; everything else keeps its default.
+INSERT INTO build_jobs (agent_id, connector_id, owner_id, payload)
+VALUES ($1, $2, $3, $4::jsonb)
+RETURNING id;
+
+-- name: job_claim
+-- Take up to $1 of the oldest pending jobs whose kind this worker runs ($2), or
+-- whose kind no payload type knows ($3 = every known kind; those fail as
+-- invalid), and mark them with this claim's token ($5), so that a claim whose
+-- answer is lost can be found and undone (`jobs_unclaim_lost`), and with the
+-- worker that holds them ($6; NULL for a tool that heartbeats no worker row), so
+-- that a dead worker's jobs are rescued in seconds (`jobs_rescue`). Returns the
+-- attempt from before the increment, and whether the target agent is
+-- soft-deleted, so that no second round trip is needed. A payload larger than
+-- $4 bytes (written by another writer: enqueue refuses them) comes back NULL,
+-- to fail as invalid without being sent or parsed.
+UPDATE build_jobs AS j
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $5,
+    claimed_by = $6
+-- The ids as an array, not a join: every plan of this statement, generic ones
+-- included (where the planner guesses LIMIT $1 at a tenth of the table), then
+-- fetches the claimed rows by primary key instead of hashing a scan of the table.
+WHERE j.id = ANY (ARRAY(
+    SELECT id
+    FROM build_jobs
+    WHERE status = 'pending'
+      AND (payload ->> 'kind' = ANY ($2::text[])
+           OR NOT coalesce(payload ->> 'kind' = ANY ($3::text[]), false))
+    ORDER BY created_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED))
+RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+          CASE WHEN octet_length(j.payload::text) <= $4 THEN j.payload::text END AS payload,
+          j.attempt - 1 AS old_attempt, j.created_at,
+          -- A scalar subquery, so one primary-key probe per claimed row: the
+          -- EXISTS form was planned as a hashed subplan scanning every agent.
+          coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
+                   false) AS target_soft_deleted;
+
+-- name: job_claim_kinds
+-- `job_claim` for a replica that runs only some of the known kinds (the same
+-- arguments, the same result): through build_jobs_pending_kind (0011), the
+-- oldest pending rows of each kind it runs ($2) and of each kind present that no
+-- payload type knows (not in $3, found by a loose index scan: one probe per kind
+-- present; a payload with no kind counts as the unknown kind '', and a kind is
+-- its first 100 characters, which keeps the index's entries small), each taken with
+-- SKIP LOCKED, then the oldest $1 of those (the others are unlocked as the
+-- statement ends). Its cost follows the kinds this replica runs, not the backlog
+-- of the kinds it leaves to others. A replica that runs every known kind uses
+-- `job_claim`, whose one ordered scan is cheapest when every row is its own.
+UPDATE build_jobs AS j
+SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $5,
+    claimed_by = $6
+WHERE j.id = ANY (ARRAY(
+    WITH RECURSIVE present AS (
+        (SELECT left(coalesce(payload ->> 'kind', ''), 100) AS kind FROM build_jobs
+         WHERE status = 'pending'
+         ORDER BY left(coalesce(payload ->> 'kind', ''), 100) LIMIT 1)
+        UNION ALL
+        SELECT (SELECT left(coalesce(b.payload ->> 'kind', ''), 100) FROM build_jobs AS b
+                WHERE b.status = 'pending' AND left(coalesce(b.payload ->> 'kind', ''), 100) > present.kind
+                ORDER BY left(coalesce(b.payload ->> 'kind', ''), 100) LIMIT 1)
+        FROM present WHERE present.kind IS NOT NULL
+    ), wanted AS (
+        SELECT k.kind FROM unnest($2::text[]) AS k(kind)
+        UNION
+        SELECT kind FROM present WHERE kind IS NOT NULL AND NOT kind = ANY ($3::text[])
+    )
+    SELECT p.id
+    FROM wanted CROSS JOIN LATERAL (
+        SELECT id, created_at FROM build_jobs
+        WHERE status = 'pending' AND left(coalesce(payload ->> 'kind', ''), 100) = wanted.kind
+        ORDER BY created_at LIMIT $1
+        FOR UPDATE SKIP LOCKED) AS p
+    ORDER BY p.created_at
+    LIMIT $1))
+RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+          CASE WHEN octet_length(j.payload::text) <= $4 THEN j.payload::text END AS payload,
+          j.attempt - 1 AS old_attempt, j.created_at,
+          coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a WHERE a.id = j.agent_id),
+                   false) AS target_soft_deleted;
+
+-- name: job_fail
+-- Fail a claimed job with a fixed message (completed_at = now(), picked_at keeps
+-- the claim time). Only the claim that is still current is touched ($1 id, $2
+-- attempt); the sweep passes $4, the stuck threshold in minutes, and the rescue
+-- $5, the dead worker, so that a job finished or handed on since it was chosen
+-- is left alone. Returns the target
+-- and, for the job's own build row, the payload's build ids as text: read by
+-- PostgreSQL, so a payload Python cannot parse still names its build.
+UPDATE build_jobs
+SET status = 'failed', error_msg = $3, completed_at = now()
+WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+  AND ($4::int IS NULL OR picked_at < now() - make_interval(mins => $4))
+  AND ($5::uuid IS NULL OR claimed_by = $5)
+RETURNING agent_id, connector_id, payload ->> 'kind' AS kind,
+          payload ->> 'build_id' AS build_id, payload ->> 'rollback_build_id' AS rollback_build_id;
+
+-- name: agent_lock
+-- Lock order, step 1 of every transaction that may terminalize a target: the
+-- target first, then the job row, then its builds. Two replicas failing two jobs
+-- of one agent then queue on the agent instead of deadlocking (the agent's delete
+-- cascades to the other job's row). No row: the agent, and so the job, is gone.
+SELECT id FROM agents WHERE id = $1 FOR UPDATE;
+
+-- name: connector_lock
+-- As `agent_lock`, for a connector.
+SELECT id FROM mcp_connectors WHERE id = $1 FOR UPDATE;
+
+-- name: job_reset_to_pending
+-- Put a claimed job back at the front of the queue: after a panic with attempts
+-- left, or when a hard stop cancels its executor. The attempt stays counted.
+-- NOTIFYs channel $3 (when not NULL) if the job went back, so that another
+-- replica takes it at once instead of at its next poll.
+WITH reset AS (
+    UPDATE build_jobs
+    SET status = 'pending', picked_at = NULL, claim_token = NULL, claimed_by = NULL
+    WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+    RETURNING id
+)
+SELECT id, CASE WHEN $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified FROM reset;
+
+-- name: jobs_stuck_exhausted
+-- Recovery 1, the choice: up to $4 jobs stuck past the threshold ($1 minutes)
+-- with no attempts left ($2 = MAX_ATTEMPTS), leaving out $3 (jobs this sweep
+-- already tried). Each is then failed in a transaction of its own (`job_fail`
+-- with the threshold), so one job's target can never hold back the others'.
+-- The 60-minute rule is for rows no live worker holds: those of replicas that
+-- do not heartbeat (the original's SQL sets no `claimed_by`); a heartbeating
+-- worker's jobs run as long as it lives, and are rescued when it dies.
+SELECT id, attempt, agent_id, connector_id
+FROM build_jobs AS j
+WHERE status = 'in_progress'
+  AND picked_at < now() - make_interval(mins => $1)
+  AND attempt >= $2
+  AND NOT (id = ANY ($3::uuid[]))
+  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w
+                  WHERE w.id = j.claimed_by AND w.dead_at IS NULL)
+ORDER BY picked_at, id
+LIMIT $4;
+
+-- name: jobs_reset_stuck
+-- Recovery 2: stuck past the threshold with attempts left: back to pending, and
+-- a NOTIFY on $3 (when not NULL) if any went back. Rows another session holds
+-- (a worker finishing the job) are skipped.
+WITH stuck AS (
+    SELECT id
+    FROM build_jobs AS b
+    WHERE status = 'in_progress'
+      AND picked_at < now() - make_interval(mins => $1)
+      AND attempt < $2
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w  -- as in jobs_stuck_exhausted
+                      WHERE w.id = b.claimed_by AND w.dead_at IS NULL)
+    ORDER BY id
+    FOR UPDATE SKIP LOCKED
+), reset AS (
+    UPDATE build_jobs AS j
+    SET status = 'pending', picked_at = NULL, claim_token = NULL, claimed_by = NULL
+    FROM stuck
+    WHERE j.id = stuck.id
+    RETURNING j.id
+)
+SELECT count(*) AS reset,
+       CASE WHEN count(*) > 0 AND $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
+FROM reset;
+
+-- name: agent_builds_fail_unfinished
+-- Terminalize an agent, step 1: its builds in 'building', and this job's own
+-- build ($2, may be NULL) if it is still 'queued', become 'failed'.
+UPDATE agent_builds
+SET status = 'failed'
+WHERE agent_id = $1 AND (status = 'building' OR (id = $2 AND status = 'queued'));
+
+-- name: agent_build_fail_own
+-- A job that will never run (its agent is soft-deleted): its own build row ends.
+UPDATE agent_builds
+SET status = 'failed'
+WHERE id = $1 AND status IN ('queued', 'building');
+
+-- name: agent_has_success
+-- Terminalize an agent, step 2: has it ever been built successfully?
+SELECT EXISTS (SELECT 1 FROM agent_builds WHERE agent_id = $1 AND status = 'success');
+
+-- name: agent_mark_failed
+-- Terminalize an agent that has a working build: only a deploying agent fails.
+UPDATE agents SET status = 'failed' WHERE id = $1 AND status = 'deploying';
+
+-- name: agent_delete
+-- Terminalize an agent that never built: delete it (cascades to builds and jobs).
+DELETE FROM agents WHERE id = $1;
+
+-- name: connector_builds_fail_unfinished
+-- Terminalize a connector, step 1: its pending and building builds fail.
+UPDATE mcp_connector_builds
+SET status = 'failed', completed_at = now()
+WHERE connector_id = $1 AND status IN ('pending', 'building');
+
+-- name: connector_has_success
+-- Terminalize a connector, step 2: has it ever been built successfully?
+SELECT EXISTS (SELECT 1 FROM mcp_connector_builds WHERE connector_id = $1 AND status = 'success');
+
+-- name: connector_mark_failed
+-- Terminalize a connector that has a working build: only if still pending/building.
+UPDATE mcp_connectors SET build_status = 'failed'
+WHERE id = $1 AND build_status IN ('pending', 'building');
+
+-- name: connector_delete
+-- Terminalize a connector that never built: delete it (cascades to builds and jobs).
+DELETE FROM mcp_connectors WHERE id = $1;
+
+-- name: jobs_count_by_status
+-- `status`: how many jobs are in each state.
+SELECT status, count(*) AS n FROM build_jobs GROUP BY status ORDER BY status;
+
+-- name: jobs_in_progress_summary
+-- `status`: jobs held right now, the oldest claim, and how many are past the
+-- stuck threshold ($1 minutes), i.e. waiting for the sweep.
+SELECT count(*) AS held,
+       min(picked_at) AS oldest_picked_at,
+       count(*) FILTER (WHERE picked_at < now() - make_interval(mins => $1)) AS stuck
+FROM build_jobs
+WHERE status = 'in_progress';
+
+-- name: jobs_oldest_pending_age
+-- `status`: seconds the oldest pending job has waited (NULL when none waits).
+SELECT extract(epoch FROM now() - min(created_at))::float8 FROM build_jobs WHERE status = 'pending';
+
+-- name: migrations_lock
+-- Serialize migrators across replicas for the whole run (session lock). Tried,
+-- not waited for: a migrator waiting inside pg_advisory_lock holds a snapshot,
+-- and the holder's CREATE INDEX CONCURRENTLY waits for every older snapshot to
+-- go, so the two would deadlock. The caller retries with a pause in between.
+SELECT pg_try_advisory_lock(hashtext('nasiko_queue.migrate'));
+
+-- name: migrations_unlock
+SELECT pg_advisory_unlock(hashtext('nasiko_queue.migrate'));
+
+-- name: migrations_create_table
+CREATE TABLE IF NOT EXISTS nasiko_queue_migrations (
+    version    text PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_applied
+SELECT version, name, checksum FROM nasiko_queue_migrations ORDER BY version;
+
+-- name: migrations_record
+INSERT INTO nasiko_queue_migrations (version, name, checksum) VALUES ($1, $2, $3);
+
+-- The statements below are what the application around the queue writes (the
+-- original's HTTP handlers and executors). The library uses them only in
+-- `nasiko_queue.testing` and the demo, which play the application's part.
+
+-- name: agent_insert
+-- An agent as the upload enqueue point creates it ($4: status, 'deploying').
+INSERT INTO agents (owner_id, name, status, deleted_at)
+VALUES ($1, $2, $3, CASE WHEN $4::boolean THEN now() END)
+RETURNING id;
+
+-- name: agent_build_insert
+-- A build row for an agent ($3: status, 'queued' for a new one).
+INSERT INTO agent_builds (agent_id, version_tag, image_reference, status)
+VALUES ($1, $2, $2 || '-image', $3::build_status)
+RETURNING id;
+
+-- name: connector_insert
+-- An uploaded MCP connector waiting for its first build.
+INSERT INTO mcp_connectors (owner_id, name, build_status, is_active)
+VALUES ($1, $2, 'pending', false)
+RETURNING id;
+
+-- name: connector_build_insert
+INSERT INTO mcp_connector_builds (connector_id, owner_id, version_tag, status)
+VALUES ($1, $2, $3, $4)
+RETURNING id;
+
+-- name: agent_build_set_status
+-- An executor reports on its agent build.
+UPDATE agent_builds SET status = $2::build_status WHERE id = $1;
+
+-- name: connector_build_set_status
+-- An executor reports on its connector build.
+UPDATE mcp_connector_builds
+SET status = $2, completed_at = CASE WHEN $2 IN ('success', 'failed') THEN now() END
+WHERE id = $1;
+
+-- name: agent_set_status
+UPDATE agents SET status = $2 WHERE id = $1;
+
+-- name: connector_set_build_status
+-- 'running' needs a url (chk_connectors_running_has_url); $3 may be NULL otherwise.
+UPDATE mcp_connectors SET build_status = $2, url = coalesce($3, url), is_active = ($2 = 'running')
+WHERE id = $1;
+
+-- name: agent_soft_delete
+UPDATE agents SET deleted_at = now() WHERE id = $1;
+
+-- The statements below read back what happened, for `nasiko_queue.demo` (its
+-- report) and for tests; `job_set_attempt` stages a job that has already run.
+
+-- name: job_get
+-- One job as a person debugging it wants to see it (NULL when the row is gone).
+SELECT status, attempt, error_msg, payload::text AS payload FROM build_jobs WHERE id = $1;
+
+-- name: job_set_attempt
+-- Stage a job that has already run $2 times (the demo's attempt-cap scenario).
+UPDATE build_jobs SET attempt = $2 WHERE id = $1;
+
+-- name: jobs_count_unfinished
+-- How many of the given jobs ($1) are still pending or in progress; a job whose
+-- row is gone (its target was deleted) counts as finished.
+SELECT count(*) FROM build_jobs
+WHERE id = ANY ($1::uuid[]) AND status IN ('pending', 'in_progress');
+
+-- name: agent_get
+SELECT status, deleted_at IS NOT NULL AS soft_deleted FROM agents WHERE id = $1;
+
+-- name: agent_build_get_status
+SELECT status::text FROM agent_builds WHERE id = $1;
+
+-- name: connector_get
+SELECT build_status, url FROM mcp_connectors WHERE id = $1;
+
+-- name: connector_build_get_status
+SELECT status FROM mcp_connector_builds WHERE id = $1;
+
+-- The statements below serve `nasiko_queue.testing`: the state machine reads
+-- the whole queue after every step and compares it with its model.
+
+-- name: snapshot_jobs
+SELECT id, status, attempt, error_msg, picked_at IS NOT NULL AS picked,
+       completed_at IS NOT NULL AS completed
+FROM build_jobs;
+
+-- name: snapshot_agents
+SELECT id, status, deleted_at IS NOT NULL AS soft_deleted FROM agents;
+
+-- name: snapshot_connectors
+SELECT id, coalesce(build_status, 'null') AS status FROM mcp_connectors;
+
+-- name: snapshot_agent_builds
+SELECT id, agent_id AS target_id, status::text AS status FROM agent_builds;
+
+-- name: snapshot_connector_builds
+SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
+
+-- name: testing_truncate_all
+-- Start a state-machine example from an empty queue.
+TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors,
+         nasiko_queue_workers, nasiko_queue_leaders, nasiko_queue_jobs,
+         nasiko_queue_deleted_build_jobs, nasiko_queue_job_errors, nasiko_queue_schedules;
+
+-- name: testing_worker_expire
+-- A worker ($1) stops heartbeating for a minute (longer than any test lease): its
+-- heartbeat and the claims it holds move a minute back, as if a minute passed.
+WITH claims AS (
+    UPDATE build_jobs SET picked_at = picked_at - interval '1 minute'
+    WHERE claimed_by = $1 AND status = 'in_progress'
+), plain_claims AS (
+    UPDATE nasiko_queue_jobs SET attempted_at = attempted_at - interval '1 minute'
+    WHERE claimed_by = $1 AND state = 'running'
+)
+UPDATE nasiko_queue_workers SET heartbeat_at = heartbeat_at - interval '1 minute'
+WHERE id = $1;
+
+-- name: testing_leader_expire
+-- The leader ($1) died: its hold on the role has run out.
+UPDATE nasiko_queue_leaders SET expires_at = now() - interval '1 second' WHERE worker_id = $1;
+
+-- name: snapshot_holders
+-- Which worker holds each in-progress job.
+SELECT id, claimed_by FROM build_jobs WHERE status = 'in_progress';
+
+-- name: job_age_in_progress
+-- Pretend one in_progress job ($1) was claimed $2 minutes ago.
+UPDATE build_jobs SET picked_at = now() - make_interval(mins => $2)
+WHERE id = $1 AND status = 'in_progress';
+
+-- name: jobs_age_in_progress
+-- Pretend every in_progress job was claimed $1 minutes ago (no waiting an hour).
+UPDATE build_jobs SET picked_at = now() - make_interval(mins => $1)
+WHERE status = 'in_progress';
+
+-- The statements below serve LISTEN/NOTIFY and retention.
+
+-- name: job_insert_notify
+-- Enqueue outside a caller's transaction, or the first enqueue inside one: the
+-- job and a NOTIFY on channel $5 in the same statement, so they commit together.
+-- Later enqueues of the same transaction use `job_insert` (one NOTIFY per
+-- transaction, not per row).
+INSERT INTO build_jobs (agent_id, connector_id, owner_id, payload)
+SELECT $1::uuid, $2::uuid, $3::uuid, $4::jsonb
+FROM (SELECT pg_notify($5::text, '')) AS notify
+RETURNING id;
+
+-- name: jobs_insert_many
+-- Enqueue a batch in one statement: $1 ids (made by the caller, so that the ids
+-- come back in the caller's order whatever order RETURNING has), $2 agent ids,
+-- $3 connector ids, $4 owners, $5 payloads. created_at is the clock per row, so
+-- that the batch is claimed in the order given (now() is the same for every row
+-- of a statement: the claim's ORDER BY created_at would leave their order open).
+INSERT INTO build_jobs (id, agent_id, connector_id, owner_id, payload, created_at)
+SELECT i, a, c, o, p::jsonb, clock_timestamp()
+FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[])
+     WITH ORDINALITY AS b(i, a, c, o, p, n)
+ORDER BY n;
+
+-- name: jobs_insert_many_notify
+-- `jobs_insert_many` and a NOTIFY on channel $6, in one statement (as
+-- `job_insert_notify`: once per transaction).
+INSERT INTO build_jobs (id, agent_id, connector_id, owner_id, payload, created_at)
+SELECT i, a, c, o, p::jsonb, clock_timestamp()
+FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[])
+     WITH ORDINALITY AS b(i, a, c, o, p, n),
+     (SELECT pg_notify($6::text, '')) AS notify
+ORDER BY n;
+
+-- name: jobs_prune
+-- Retention: delete up to $2 done/failed jobs completed more than $1 (an
+-- interval) ago, by the database's clock. Pending and in_progress rows are
+-- never touched. The old rows are found through the partial index of finished
+-- jobs by completion time (0007), and deleted by primary key (an id array, as
+-- in job_claim: a join back to the table was planned as a scan of all of it).
+-- Small batches keep each transaction (and its locks and WAL burst) short; the
+-- caller loops until a batch comes back short. The flag set first (local to the
+-- statement's transaction) tells the trigger of 0010 that these deletes are
+-- retention's, not a target's cascade: failed rows are not copied aside.
+DELETE FROM build_jobs
+WHERE id = ANY (ARRAY(
+    SELECT id
+    FROM build_jobs
+    WHERE status IN ('done', 'failed') AND completed_at < now() - $1::interval
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED))
+  AND (SELECT set_config('nasiko_queue.pruning', 'on', true)) = 'on';
+
+-- name: deleted_build_jobs_prune
+-- Retention of the copies of failed build jobs deleted with their target: up to
+-- $2 copied more than $1 (an interval) ago.
+DELETE FROM nasiko_queue_deleted_build_jobs
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_deleted_build_jobs
+    WHERE deleted_at < now() - $1::interval
+    LIMIT $2));
+
+-- name: jobs_finish_many_and_claim
+-- Finish jobs and claim what their slots (and the prefetch buffer) have room
+-- for, in one round trip: the worker's fetcher sends it with every finish queued
+-- since its previous statement. Finish every job of the batch
+-- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
+-- claim up to $6 next jobs ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with
+-- finished_id set report a finish (finished_status: what the row holds for
+-- that attempt now, NULL when gone or no longer ours; a retried batch thus
+-- reports what its first try wrote); rows with id set are claimed jobs.
+-- $12, one per row of $1, is what the executor reported through its context
+-- (issue #13: its build-row writes folded into this statement): NULL, nothing (the
+-- build row decides as it stands); 'success' or 'failed', a finish that also writes
+-- the build row, atomically with the job's done or failed (a connector build's
+-- completed_at too), unless that row is already 'success' or 'failed' (then it
+-- stays, and decides); 'building', no finish at all but a start write
+-- (`JobContext.mark_building`): the build row goes from 'queued' ('pending' for a
+-- connector) to 'building', and from nothing else.
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::text[])
+        AS i(id, attempt, is_connector, build_id, reported)
+), report AS (
+    -- The folded writes, one per build row: two runs reporting on one row in one
+    -- statement (two jobs of one build) agree on one status, the failure.
+    SELECT build_id, is_connector, min(reported) AS reported
+    FROM input WHERE reported IN ('success', 'failed')
+    GROUP BY build_id, is_connector
+), agent_locked AS MATERIALIZED (
+    -- Every build row this statement writes (folded reports, start writes), locked
+    -- in id order before any job row: a terminalization locks the builds before its
+    -- agent's delete cascades to the jobs, so the other order could deadlock with it.
+    SELECT b.id, false AS is_connector, b.status::text AS status
+    FROM agent_builds AS b
+    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input
+                            WHERE reported IS NOT NULL AND NOT is_connector))
+    ORDER BY b.id
+    FOR UPDATE
+), connector_locked AS MATERIALIZED (
+    SELECT b.id, true AS is_connector, b.status
+    FROM mcp_connector_builds AS b
+    WHERE b.id = ANY (ARRAY(SELECT build_id FROM input WHERE reported IS NOT NULL AND is_connector))
+    ORDER BY b.id
+    FOR UPDATE
+), locked AS (
+    SELECT * FROM agent_locked UNION ALL SELECT * FROM connector_locked
+), outcome AS (
+    -- What decides each finish: the build row as it stands, or, for a folded
+    -- report, the reported status, unless the (locked) row is already 'success' or
+    -- 'failed' (then it decides, and is left as it is) or missing (failed).
+    SELECT i.id, i.attempt, i.build_id, i.reported IS NOT NULL AS folded,
+           CASE WHEN i.reported IS NOT NULL
+                THEN (SELECT CASE WHEN l.status IN ('success', 'failed') THEN l.status
+                                  ELSE r.reported END
+                      FROM report AS r JOIN locked AS l
+                           ON l.id = r.build_id AND l.is_connector = r.is_connector
+                      WHERE r.build_id = i.build_id AND r.is_connector = i.is_connector)
+                WHEN i.is_connector
+                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
+                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
+           END AS build_status
+    FROM input AS i
+    WHERE i.reported IS DISTINCT FROM 'building'
+), finished AS (
+    UPDATE build_jobs AS j
+    SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
+        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
+        completed_at = now()
+    FROM outcome AS o
+    -- A primary-key probe per finished job: the status test is written so that no
+    -- index on status matches it, or the plan (generic ones most of all, which
+    -- take in_progress for rare) reads every in_progress row of every worker.
+    WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
+      AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
+      -- The build rows first, in id order, whichever writer of this statement runs
+      -- first (a data-modifying CTE the main query does not read runs at its end, in
+      -- no promised order): a one-time filter over `locked`, on every writer.
+      AND (SELECT count(*) FROM locked) >= 0
+    RETURNING j.id, j.status, o.build_id, o.folded
+), folded_agent AS (
+    -- A folded report lands with its job's finish, or not at all (claim no
+    -- longer current, job gone), and never over a 'success' or 'failed' row.
+    UPDATE agent_builds AS b
+    SET status = r.reported::build_status
+    FROM report AS r
+    WHERE b.id = r.build_id AND NOT r.is_connector AND b.status IN ('queued', 'building')
+      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+      AND (SELECT count(*) FROM locked) >= 0
+), folded_connector AS (
+    UPDATE mcp_connector_builds AS b
+    SET status = r.reported, completed_at = now()
+    FROM report AS r
+    WHERE b.id = r.build_id AND r.is_connector AND b.status IN ('pending', 'building')
+      AND EXISTS (SELECT 1 FROM finished AS f WHERE f.build_id = r.build_id AND f.folded)
+      AND (SELECT count(*) FROM locked) >= 0
+), started_agent AS (
+    -- Start writes: 'building' over 'queued' only, so never over a later outcome;
+    -- a row this statement also reports on gets the report alone.
+    UPDATE agent_builds AS b
+    SET status = 'building'
+    FROM input AS i
+    WHERE i.reported = 'building' AND NOT i.is_connector AND b.id = i.build_id
+      AND b.status = 'queued'
+      AND NOT EXISTS (SELECT 1 FROM report AS r
+                      WHERE r.build_id = i.build_id AND NOT r.is_connector)
+      AND (SELECT count(*) FROM locked) >= 0
+), started_connector AS (
+    UPDATE mcp_connector_builds AS b
+    SET status = 'building'
+    FROM input AS i
+    WHERE i.reported = 'building' AND i.is_connector AND b.id = i.build_id
+      AND b.status = 'pending'
+      AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
+      AND (SELECT count(*) FROM locked) >= 0
+), claimed AS (
+    UPDATE build_jobs AS j
+    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
+        claimed_by = $11
+    WHERE j.id = ANY (ARRAY(  -- as in job_claim
+        -- pending ids:
+        SELECT id
+        FROM build_jobs
+        WHERE status = 'pending'
+          AND (payload ->> 'kind' = ANY ($7::text[])
+               OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
+        ORDER BY created_at
+        LIMIT $6
+        FOR UPDATE SKIP LOCKED
+        -- end of pending ids
+        ))
+    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
+              CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
+              j.attempt - 1 AS old_attempt, j.created_at,
+              coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a
+                        WHERE a.id = j.agent_id), false) AS target_soft_deleted
+)
+SELECT i.id AS finished_id,
+       coalesce(f.status, (SELECT c.status FROM build_jobs AS c
+                           WHERE c.id = i.id AND c.attempt = i.attempt
+                             AND c.status IN ('done', 'failed'))) AS finished_status,
+       NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
+       NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
+       NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
+FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
+WHERE i.reported IS DISTINCT FROM 'building'
+UNION ALL
+SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
+       c.created_at, c.target_soft_deleted
+FROM claimed AS c;
+
+-- name: jobs_finish_many_and_claim_kinds
+-- derived from jobs_finish_many_and_claim: its pending ids are these instead.
+-- `jobs_finish_many_and_claim` for a replica that runs only some of the known
+-- kinds: its claim is `job_claim_kinds`'s (the same arguments, the same result).
+-- The loader (`statements.py`) writes the statement out: everything but the pending
+-- ids is the base statement's, so that a fix to the finish lands in both.
+        WITH RECURSIVE present AS (
+            (SELECT left(coalesce(payload ->> 'kind', ''), 100) AS kind FROM build_jobs
+             WHERE status = 'pending'
+             ORDER BY left(coalesce(payload ->> 'kind', ''), 100) LIMIT 1)
+            UNION ALL
+            SELECT (SELECT left(coalesce(b.payload ->> 'kind', ''), 100) FROM build_jobs AS b
+                    WHERE b.status = 'pending'
+                      AND left(coalesce(b.payload ->> 'kind', ''), 100) > present.kind
+                    ORDER BY left(coalesce(b.payload ->> 'kind', ''), 100) LIMIT 1)
+            FROM present WHERE present.kind IS NOT NULL
+        ), wanted AS (
+            SELECT k.kind FROM unnest($7::text[]) AS k(kind)
+            UNION
+            SELECT kind FROM present WHERE kind IS NOT NULL AND NOT kind = ANY ($8::text[])
+        )
+        SELECT p.id
+        FROM wanted CROSS JOIN LATERAL (
+            SELECT id, created_at FROM build_jobs
+            WHERE status = 'pending' AND left(coalesce(payload ->> 'kind', ''), 100) = wanted.kind
+            ORDER BY created_at LIMIT $6
+            FOR UPDATE SKIP LOCKED) AS p
+        ORDER BY p.created_at
+        LIMIT $6;
+
+-- name: jobs_unclaim
+-- Give back jobs that were claimed but never started (prefetched, or claimed
+-- for a slot that went away): back to pending with the attempt restored, since
+-- they never ran ($1 ids, $2 the attempts the claim gave them), and a NOTIFY on
+-- $3 (when not NULL) so that an idle replica takes them at once. Returns how
+-- many went back; a row the sweep has meanwhile handed on is left alone.
+WITH given AS (
+    UPDATE build_jobs AS j
+    SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1, claim_token = NULL,
+        claimed_by = NULL
+    FROM unnest($1::uuid[], $2::int[]) AS b(id, attempt)
+    WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
+    RETURNING j.id
+)
+SELECT count(*) AS given_back,
+       CASE WHEN count(*) > 0 AND $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
+FROM given;
+
+-- name: jobs_unclaim_lost
+-- Undo a claim whose answer was lost ($1, its token): whatever it took goes
+-- back to pending with the attempt restored (it never reached an executor),
+-- with a NOTIFY on $3 (when not NULL). Run only once the server process that
+-- received the claim has gone (`backend_end`), so that the claim is settled.
+-- $2 (the stuck threshold, minutes) keeps it off a row that the sweep has since
+-- handed to a replica whose claims set no token.
+WITH given AS (
+    UPDATE build_jobs
+    SET status = 'pending', picked_at = NULL, attempt = attempt - 1, claim_token = NULL,
+        claimed_by = NULL
+    WHERE claim_token = $1 AND status = 'in_progress'
+      AND picked_at >= now() - make_interval(mins => $2)
+    RETURNING id
+)
+SELECT count(*) AS given_back,
+       CASE WHEN count(*) > 0 AND $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
+FROM given;
+
+-- name: backend_end
+-- Make sure a server process has gone: ask it to end and wait up to $2 ms. A
+-- statement it received is then settled (committed or rolled back), never still
+-- on its way. Warns (does not fail) when there is no such process.
+SELECT pg_terminate_backend($1, $2);
+
+-- name: backend_alive
+-- Whether a server process is still there (after `backend_end` timed out).
+SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1);
+
+-- name: queue_notify
+-- Wake every listening worker (jobs went back to pending outside an enqueue).
+SELECT pg_notify($1, '');
+
+-- The statements below serve worker registration, heartbeats, leadership and
+-- the rescue of a dead worker's jobs (migration 0008).
+
+-- name: worker_register
+-- A worker process announces itself: $1 id, $2 host, $3 pid, $4 kinds, $5 its
+-- lease in seconds (a rescuer judges each worker by its own).
+INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs)
+VALUES ($1, $2, $3, $4, $5);
+
+-- name: worker_heartbeat
+-- Renew worker $1's heartbeat; with a role ($2, not NULL), also hold or take that
+-- role for $3 seconds: held while renewed before it expires, taken when it has
+-- expired (or was never held). `alive` is false when the row is gone or was
+-- declared dead (its jobs were rescued): the worker must stop them and
+-- register anew. `leader` says whether it holds the role now; `cancels`, the
+-- plain jobs it runs whose cancel was asked for.
+WITH beat AS (
+    UPDATE nasiko_queue_workers SET heartbeat_at = now()
+    WHERE id = $1 AND dead_at IS NULL
+    RETURNING id
+), lead AS (
+    INSERT INTO nasiko_queue_leaders AS l (role, worker_id, expires_at)
+    SELECT $2, beat.id, now() + make_interval(secs => $3) FROM beat WHERE $2::text IS NOT NULL
+    ON CONFLICT (role) DO UPDATE
+    SET worker_id = excluded.worker_id,
+        elected_at = CASE WHEN l.worker_id = excluded.worker_id THEN l.elected_at ELSE now() END,
+        expires_at = excluded.expires_at
+    WHERE l.worker_id = excluded.worker_id OR l.expires_at < now()
+    RETURNING l.worker_id
+)
+SELECT EXISTS (SELECT 1 FROM beat) AS alive, EXISTS (SELECT 1 FROM lead) AS leader,
+       -- The plain jobs it runs that were asked to stop (nasiko_queue_jobs_running).
+       ARRAY(SELECT j.id FROM nasiko_queue_jobs AS j
+             WHERE j.claimed_by = $1 AND j.state = 'running' AND j.cancel_requested)
+           AS cancels;
+
+-- name: worker_deregister
+-- A worker stops ($1): any role it held is released at once, and its row goes,
+-- unless it still holds jobs (a give-back that failed in an outage): then it is
+-- declared dead instead, and the leader's rescue gives them back.
+WITH roles AS (
+    DELETE FROM nasiko_queue_leaders WHERE worker_id = $1
+), held AS (
+    SELECT EXISTS (SELECT 1 FROM build_jobs
+                   WHERE claimed_by = $1 AND status = 'in_progress')
+        OR EXISTS (SELECT 1 FROM nasiko_queue_jobs
+                   WHERE claimed_by = $1 AND state = 'running') AS holds
+), gone AS (
+    DELETE FROM nasiko_queue_workers
+    WHERE id = $1 AND NOT (SELECT holds FROM held)
+    RETURNING id
+)
+UPDATE nasiko_queue_workers SET dead_at = now()
+WHERE id = $1 AND dead_at IS NULL AND (SELECT holds FROM held);
+
+-- name: worker_retire
+-- A worker gives up its identity ($1): cut off from the database for too long, it
+-- stopped its jobs; declared dead, they are given back by the leader's rescue.
+UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1 AND dead_at IS NULL;
+
+-- name: workers_expired
+-- Live workers whose heartbeat is older than their own lease: presumed dead.
+SELECT id, heartbeat_at
+FROM nasiko_queue_workers
+WHERE dead_at IS NULL AND heartbeat_at < now() - make_interval(secs => lease_secs)
+ORDER BY heartbeat_at;
+
+-- name: worker_declare_dead
+-- Declare worker $1 dead, if its heartbeat is still the one the rescuer saw ($2):
+-- one that came back meanwhile is left alone. From then on its heartbeats say
+-- `alive = false`.
+UPDATE nasiko_queue_workers
+SET dead_at = now()
+WHERE id = $1 AND dead_at IS NULL AND heartbeat_at = $2
+RETURNING id;
+
+-- name: jobs_held_by_dead_exhausted
+-- Jobs that dead workers hold, with no attempts left ($1 = MAX_ATTEMPTS): each is
+-- failed and terminalized in a transaction of its own (`job_fail` with the
+-- worker). A dead worker's claims are all older than the end of its lease (or
+-- its retirement): a later claim naming it was made by someone else (the
+-- original's SQL, which never sets `claimed_by`, after its own sweep).
+SELECT j.id, j.attempt, j.agent_id, j.connector_id, j.claimed_by
+FROM build_jobs AS j
+JOIN nasiko_queue_workers AS w ON w.id = j.claimed_by
+WHERE w.dead_at IS NOT NULL AND j.status = 'in_progress' AND j.attempt >= $1
+  AND j.picked_at <= least(w.dead_at, w.heartbeat_at + make_interval(secs => w.lease_secs))
+ORDER BY j.picked_at, j.id
+LIMIT $2;
+
+-- name: jobs_rescue
+-- Jobs that dead workers hold, with attempts left ($1 = MAX_ATTEMPTS), back to
+-- pending, the attempt counted (as for any crash), with a NOTIFY on $2 (when
+-- not NULL). The same choice as `jobs_held_by_dead_exhausted`.
+WITH rescued AS (
+    UPDATE build_jobs AS j
+    SET status = 'pending', picked_at = NULL, claimed_by = NULL, claim_token = NULL
+    FROM nasiko_queue_workers AS w
+    WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL
+      AND j.status = 'in_progress' AND j.attempt < $1
+      AND j.picked_at <= least(w.dead_at, w.heartbeat_at + make_interval(secs => w.lease_secs))
+    RETURNING j.id
+)
+SELECT count(*) AS rescued,
+       CASE WHEN count(*) > 0 AND $2::text IS NOT NULL THEN pg_notify($2, '') END AS notified
+FROM rescued;
+
+-- name: workers_prune_dead
+-- Forget workers declared dead longer ago than $1 seconds (kept meanwhile for
+-- `status`) that hold no job any more.
+DELETE FROM nasiko_queue_workers AS w
+WHERE w.dead_at < now() - make_interval(secs => $1)
+  AND NOT EXISTS (SELECT 1 FROM build_jobs AS j
+                  WHERE j.claimed_by = w.id AND j.status = 'in_progress')
+  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_jobs AS p
+                  WHERE p.claimed_by = w.id AND p.state = 'running');
+
+-- name: workers_list
+-- `status`: every registered worker, live or dead, and whether it leads.
+SELECT w.id, w.host, w.pid, w.kinds, w.started_at, w.heartbeat_at, w.lease_secs,
+       w.dead_at,
+       extract(epoch FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
+       (w.dead_at IS NULL AND w.heartbeat_at >= now() - make_interval(secs => w.lease_secs))
+           AS alive,
+       coalesce((SELECT array_agg(l.role) FROM nasiko_queue_leaders AS l
+                 WHERE l.worker_id = w.id AND l.expires_at >= now()), '{}') AS roles,
+       (SELECT count(*) FROM build_jobs AS j
+        WHERE j.claimed_by = w.id AND j.status = 'in_progress')
+       + (SELECT count(*) FROM nasiko_queue_jobs AS p
+          WHERE p.claimed_by = w.id AND p.state = 'running') AS holding
+FROM nasiko_queue_workers AS w
+ORDER BY w.started_at;
+
+-- name: plain_queue_counts
+-- `status`: per queue of plain jobs, how many are due, scheduled for later,
+-- running, and ended each way, and how long the oldest due one has waited.
+SELECT queue,
+       count(*) FILTER (WHERE state = 'available' AND run_at <= now()) AS available,
+       count(*) FILTER (WHERE state = 'available' AND run_at > now()) AS scheduled,
+       count(*) FILTER (WHERE state = 'running') AS running,
+       count(*) FILTER (WHERE state = 'completed') AS completed,
+       count(*) FILTER (WHERE state = 'discarded') AS discarded,
+       count(*) FILTER (WHERE state = 'cancelled') AS cancelled,
+       extract(epoch FROM now() - min(run_at) FILTER (
+           WHERE state = 'available' AND run_at <= now()))::float8 AS oldest_available_age
+FROM nasiko_queue_jobs
+GROUP BY queue
+ORDER BY queue;
+
+-- The statements below keep and read the errors of crashed attempts (migration 0009).
+
+-- name: job_error_insert
+-- A crashed or timed-out attempt's error: $1 job, $2 attempt, $3 worker (NULL
+-- for a tool that heartbeats no worker row), $4 reason, $5 type, $6 message,
+-- $7 traceback (bounded and masked by the caller).
+INSERT INTO nasiko_queue_job_errors (job_id, attempt, worker_id, reason, error_type, message,
+                                     traceback)
+VALUES ($1, $2, $3, $4, $5, $6, $7);
+
+-- name: job_errors_of
+-- Every kept error of job $1, oldest first.
+SELECT attempt, at, worker_id, reason, error_type, message, traceback
+FROM nasiko_queue_job_errors
+WHERE job_id = $1
+ORDER BY at, id;
+
+-- name: job_show
+-- One job's row for `nasiko-queue job`, the payload as text (masked by the caller).
+SELECT id, payload ->> 'kind' AS kind, status::text AS status, attempt, error_msg, agent_id,
+       connector_id, owner_id, created_at, picked_at, completed_at, claimed_by,
+       payload::text AS payload
+FROM build_jobs
+WHERE id = $1;
+
+-- name: job_errors_prune
+-- Retention: errors kept longer than $1 (an interval), up to $2 at a time.
+DELETE FROM nasiko_queue_job_errors
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_job_errors WHERE at < now() - $1::interval
+    ORDER BY at LIMIT $2));
+
+-- ============================================================================
+-- Plain jobs (nasiko_queue_jobs, migration 0010): queues, priorities, schedules,
+-- retries with backoff, unique keys, cancellation. build_jobs is not touched.
+
+-- name: plain_insert
+-- Enqueue one plain job: $1 id, $2 queue, $3 kind, $4 payload, $5 priority, $6
+-- max_attempts, $7 run_at (NULL: now() + $8 seconds), $9 unique key (NULL: not
+-- unique), $10 the states it is unique within. A unique job that meets one of its
+-- key in one of those states inserts nothing and returns no row.
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                               unique_key, unique_states)
+VALUES ($1, $2, $3, $4::jsonb, $5, $6,
+        coalesce($7::timestamptz, now() + make_interval(secs => $8::double precision)),
+        $9, $10::text[])
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+DO NOTHING
+RETURNING id;
+
+-- name: plain_insert_notify
+-- `plain_insert` and a NOTIFY on channel $11 in one statement (once per transaction).
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                               unique_key, unique_states)
+SELECT $1, $2, $3, $4::jsonb, $5, $6,
+       coalesce($7::timestamptz, now() + make_interval(secs => $8::double precision)),
+       $9, $10::text[]
+FROM (SELECT pg_notify($11::text, '')) AS notify
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+DO NOTHING
+RETURNING id;
+
+-- name: plain_unique_holder
+-- The job that holds unique key $1 now (a unique enqueue that inserted nothing
+-- returns its id). Run as a statement of its own, after the insert: its snapshot
+-- then sees the row the insert's conflict check waited for.
+SELECT id FROM nasiko_queue_jobs
+WHERE unique_key = $1 AND state = ANY (unique_states)
+LIMIT 1;
+
+-- name: plain_insert_many
+-- A batch of plain jobs without unique keys in one statement: $1 ids, $2 queues,
+-- $3 kinds, $4 payloads, $5 priorities, $6 max_attempts, $7 run_at (NULL: the
+-- clock per row, so that the batch is claimed in the order given, + $8 delays).
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at)
+SELECT i, q, k, p::jsonb, pr, m,
+       coalesce(r, clock_timestamp() + make_interval(secs => d))
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+            $7::timestamptz[], $8::double precision[])
+     WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, n)
+ORDER BY n;
+
+-- name: plain_insert_many_notify
+-- `plain_insert_many` and a NOTIFY on channel $9, in one statement.
+INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at)
+SELECT i, q, k, p::jsonb, pr, m,
+       coalesce(r, clock_timestamp() + make_interval(secs => d))
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+            $7::timestamptz[], $8::double precision[])
+     WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, n),
+     (SELECT pg_notify($9::text, '')) AS notify
+ORDER BY n;
+
+-- name: plain_claim
+-- Take up to $2 available jobs of queue $1 that are due, by priority then due
+-- time, marked with claim token $3 and worker $4; none while the queue is paused
+-- (a primary-key probe of nasiko_queue_paused_queues, migration 0012). A payload
+-- over $5 bytes comes back NULL (fails as invalid, unsent).
+--
+-- Priority by priority (issue #13): the priorities present among the queue's
+-- available jobs, found by a loose scan of nasiko_queue_jobs_claim (one probe
+-- each), and for each, in ascending order, its due jobs oldest first, where
+-- `run_at <= now()` bounds the index range. One ordered scan of the queue by
+-- (priority, run_at) instead read every job scheduled for later at a more
+-- urgent priority before reaching the due ones (100,000 of them: 1,100 pages
+-- and 9 ms per claim). The nested loop takes the priorities in order and stops
+-- at $2 jobs, so no row beyond those it returns is locked; LIMIT $2 in each
+-- priority keeps the plan an ordered index scan.
+UPDATE nasiko_queue_jobs AS j
+SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
+    claim_token = $3, claimed_by = $4
+WHERE j.id = ANY (ARRAY(
+    WITH RECURSIVE priorities AS (
+        (SELECT priority FROM nasiko_queue_jobs
+         WHERE state = 'available' AND queue = $1
+         ORDER BY priority LIMIT 1)
+        UNION ALL
+        SELECT (SELECT n.priority FROM nasiko_queue_jobs AS n
+                WHERE n.state = 'available' AND n.queue = $1 AND n.priority > p.priority
+                ORDER BY n.priority LIMIT 1)
+        FROM priorities AS p WHERE p.priority IS NOT NULL
+    )
+    SELECT due.id
+    FROM priorities CROSS JOIN LATERAL (
+        SELECT id FROM nasiko_queue_jobs
+        WHERE state = 'available' AND queue = $1 AND priority = priorities.priority
+          AND run_at <= now()
+        ORDER BY run_at, id
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED) AS due
+    WHERE NOT EXISTS (SELECT 1 FROM nasiko_queue_paused_queues WHERE queue = $1)
+    LIMIT $2))
+RETURNING j.id, j.kind,
+          CASE WHEN octet_length(j.payload::text) <= $5 THEN j.payload::text END AS payload,
+          j.attempt - 1 AS old_attempt, j.max_attempts, j.priority, j.run_at AS created_at;
+
+-- name: plain_finish_many_and_claim
+-- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
+-- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
+-- worker, $7 payload bound), in one round trip; a paused queue claims nothing,
+-- but its finishes still complete. Rows with finished_id report a
+-- finish ('completed', or NULL when no longer ours); rows with id are claims.
+WITH finished AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET state = 'completed', finished_at = now(), error_msg = NULL
+    FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
+    -- By primary key: a state test an index of running jobs matches would read
+    -- every running job of every worker (as in jobs_finish_many_and_claim).
+    WHERE j.id = ANY ($1::uuid[]) AND j.id = i.id AND coalesce(j.state, '') = 'running'
+      AND j.attempt = i.attempt
+    RETURNING j.id, j.state
+), claimed AS (
+    -- The loader (`statements.py`) writes in `plain_claim`, so that the claim is spelled once.
+    -- include plain_claim, its $1-$5 as $3-$7
+)
+SELECT i.id AS finished_id,
+       coalesce(f.state, (SELECT c.state FROM nasiko_queue_jobs AS c
+                          WHERE c.id = i.id AND c.attempt = i.attempt
+                            AND c.state = 'completed')) AS finished_status,
+       NULL::uuid AS id, NULL::text AS kind, NULL::text AS payload, NULL::int AS old_attempt,
+       NULL::int AS max_attempts, NULL::smallint AS priority, NULL::timestamptz AS created_at
+FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt) LEFT JOIN finished AS f ON f.id = i.id
+UNION ALL
+SELECT NULL, NULL, c.id, c.kind, c.payload, c.old_attempt, c.max_attempts, c.priority,
+       c.created_at
+FROM claimed AS c;
+
+-- name: plain_retry
+-- Run $2 of job $1 crashed (raised, timed out, or no executor here): available
+-- again in $3 seconds, or discarded when it was the last attempt, or cancelled
+-- when a cancel was asked for meanwhile (as the rescue does); $4 the error, one
+-- line. Which of the three is nasiko_queue_run_end's rule (migration 0013),
+-- decided once on the row this statement updates. Returns the state written
+-- (no row: no longer ours).
+UPDATE nasiko_queue_jobs
+SET (state, run_at, finished_at, claimed_by) = (
+        SELECT e.state,
+               CASE WHEN e.state <> 'available' THEN run_at
+                    ELSE now() + make_interval(secs => $3::double precision) END,
+               CASE WHEN e.state <> 'available' THEN now() END,
+               CASE WHEN e.state <> 'available' THEN claimed_by END
+        FROM nasiko_queue_run_end(cancel_requested, attempt >= max_attempts) AS e(state)),
+    claim_token = NULL,
+    error_msg = $4
+WHERE id = $1 AND attempt = $2 AND state = 'running'
+RETURNING state;
+
+-- name: plain_end
+-- Run $2 of job $1 ends for good in state $3 ('discarded': its payload is not
+-- one, or it is past its attempts; 'cancelled': stopped at a cancel's request),
+-- with error $4.
+UPDATE nasiko_queue_jobs
+SET state = $3, finished_at = now(), claim_token = NULL, error_msg = $4
+WHERE id = $1 AND attempt = $2 AND state = 'running'
+RETURNING state;
+
+-- name: plain_reset
+-- A hard stop or the fence cut run $2 of job $1: available again at once, the
+-- attempt counted; or cancelled, when a cancel was asked for meanwhile
+-- (nasiko_queue_run_end's rule; a cut run is never its attempt's last word, so
+-- never discarded here: the claim after the last attempt discards it).
+UPDATE nasiko_queue_jobs
+SET (state, finished_at, error_msg, claimed_by) = (
+        SELECT e.state,
+               CASE WHEN e.state <> 'available' THEN now() END,
+               CASE WHEN e.state = 'cancelled' THEN 'cancelled' ELSE error_msg END,
+               CASE WHEN e.state <> 'available' THEN claimed_by END
+        FROM nasiko_queue_run_end(cancel_requested, false) AS e(state)),
+    claim_token = NULL
+WHERE id = $1 AND attempt = $2 AND state = 'running';
+
+-- name: plain_unclaim
+-- Claimed jobs that never started ($1 ids, $2 attempts): available again, the
+-- attempt restored.
+UPDATE nasiko_queue_jobs AS j
+SET state = 'available', attempt = j.attempt - 1, claimed_by = NULL, claim_token = NULL
+FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
+WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt;
+
+-- name: plain_unclaim_lost
+-- What a claim whose answer was lost took (token $1): available again, the
+-- attempt restored. Returns how many.
+WITH given AS (
+    UPDATE nasiko_queue_jobs
+    SET state = 'available', attempt = attempt - 1, claimed_by = NULL, claim_token = NULL
+    WHERE claim_token = $1 AND state = 'running'
+    RETURNING id
+)
+SELECT count(*) FROM given;
+
+-- name: plain_next_due
+-- Seconds until the next scheduled job of queue $1 is due (NULL: none).
+SELECT extract(epoch FROM min(run_at) - now())::double precision
+FROM nasiko_queue_jobs
+WHERE state = 'available' AND queue = $1 AND run_at > now();
+
+-- name: plain_cancel
+-- Cancel job $1 (the rule is nasiko_queue_cancel, migration 0013: a locked read,
+-- then a decision on the state the row holds once no claim or run's end is in
+-- flight): a waiting job ends `cancelled` now; a running one is asked to stop
+-- (its worker sees the flag at its next heartbeat). Returns 'cancelled',
+-- 'cancelling', or 'already <state>' for a job that had already ended (nothing
+-- changes); NULL: no such plain job.
+SELECT nasiko_queue_cancel($1);
+
+-- name: plain_cancels_held
+-- The running jobs worker $1 holds that were asked to stop: (id, attempt).
+SELECT id, attempt FROM nasiko_queue_jobs
+WHERE claimed_by = $1 AND state = 'running' AND cancel_requested;
+
+-- name: plain_rescue
+-- Running jobs held by dead workers, claimed before the worker's lease ended:
+-- available again (the attempt counted), or discarded when that was their last
+-- attempt, or cancelled when a cancel was asked for (nasiko_queue_run_end's
+-- rule, decided on the row each update writes). NOTIFY on $1 (not NULL).
+WITH rescued AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET (state, finished_at, error_msg, claimed_by) = (
+            SELECT e.state,
+                   CASE WHEN e.state <> 'available' THEN now() END,
+                   CASE WHEN e.state = 'cancelled' THEN 'cancelled'
+                        ELSE 'the worker running it died' END,
+                   CASE WHEN e.state <> 'available' THEN j.claimed_by END
+            FROM nasiko_queue_run_end(j.cancel_requested, j.attempt >= j.max_attempts)
+                 AS e(state)),
+        claim_token = NULL
+    FROM nasiko_queue_workers AS w
+    WHERE w.id = j.claimed_by AND w.dead_at IS NOT NULL AND j.state = 'running'
+      AND j.attempted_at <= least(w.dead_at,
+                                  w.heartbeat_at + make_interval(secs => w.lease_secs))
+    RETURNING j.state
+)
+SELECT count(*) FILTER (WHERE state = 'available') AS rescued,
+       count(*) FILTER (WHERE state <> 'available') AS ended,
+       CASE WHEN count(*) FILTER (WHERE state = 'available') > 0 AND $1::text IS NOT NULL
+            THEN pg_notify($1, '') END AS notified
+FROM rescued;
+
+-- name: plain_sweep_stuck
+-- The stuck-row rule of plain jobs (the recovery sweep, as `jobs_reset_stuck`
+-- for build jobs): running jobs claimed more than $1 minutes ago that no live
+-- worker holds (`claimed_by` NULL, naming no worker row, or a worker declared
+-- dead; the rescue's rule leaves out claims sent after a worker's death, as by
+-- a worker resumed from a pause) go back to available (the attempt counted), or
+-- are discarded when that was their last attempt, or cancelled when a cancel
+-- was asked for. A live worker's jobs run as long as it lives. Rows another
+-- session holds are skipped (the outcome is nasiko_queue_run_end's rule, as for
+-- the rescue). NOTIFY on $2 (not NULL) if any went back.
+WITH stuck AS (
+    SELECT id
+    FROM nasiko_queue_jobs AS j
+    WHERE state = 'running'
+      AND attempted_at < now() - make_interval(mins => $1)
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workers AS w
+                      WHERE w.id = j.claimed_by AND w.dead_at IS NULL)
+    ORDER BY id
+    FOR UPDATE SKIP LOCKED
+), swept AS (
+    UPDATE nasiko_queue_jobs AS j
+    SET (state, finished_at, error_msg, claimed_by) = (
+            SELECT e.state,
+                   CASE WHEN e.state <> 'available' THEN now() END,
+                   CASE WHEN e.state = 'cancelled' THEN 'cancelled'
+                        ELSE 'stuck: running past the stuck-job limit with no live worker'
+                   END,
+                   CASE WHEN e.state <> 'available' THEN j.claimed_by END
+            FROM nasiko_queue_run_end(j.cancel_requested, j.attempt >= j.max_attempts)
+                 AS e(state)),
+        claim_token = NULL
+    FROM stuck
+    WHERE j.id = stuck.id AND j.state = 'running'
+    RETURNING j.state
+)
+SELECT count(*) FILTER (WHERE state = 'available') AS reset,
+       count(*) FILTER (WHERE state <> 'available') AS ended,
+       CASE WHEN count(*) FILTER (WHERE state = 'available') > 0 AND $2::text IS NOT NULL
+            THEN pg_notify($2, '') END AS notified
+FROM swept;
+
+-- name: plain_prune
+-- Retention: delete up to $2 plain jobs that ended (completed, discarded,
+-- cancelled) more than $1 (an interval) ago. Their kept errors go by age with
+-- the build jobs' (`job_errors_prune`).
+DELETE FROM nasiko_queue_jobs
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_jobs
+    WHERE state IN ('completed', 'discarded', 'cancelled')
+      AND finished_at < now() - $1::interval
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED));
+
+-- name: plain_get
+-- One plain job, for tools and tests.
+SELECT id, queue, kind, payload::text AS payload, state, priority, attempt, max_attempts,
+       run_at, created_at, attempted_at, finished_at, claimed_by, cancel_requested,
+       error_msg, unique_key
+FROM nasiko_queue_jobs WHERE id = $1;
+
+-- ============================================================================
+-- Dead-letter queue and job listings (the `jobs` API and CLI).
+--
+-- A job is listed with one vocabulary whichever table holds it: plain jobs as
+-- they are; build jobs in the queue "builds", their kind from the payload and
+-- their status mapped (pending: available, in_progress: running, done:
+-- completed, failed: discarded); copies of failed build jobs deleted with their
+-- target as discarded, flagged target_deleted. A job's "at" is when it ended, or
+-- when it was created while it has not.
+
+-- name: jobs_list
+-- One page of jobs, newest "at" first, across the three tables: $1 queue, $2
+-- kind, $3 state (the listing's names), $4 older than (an interval), each NULL
+-- for any; $5, $6 the (at, id) of the last job of the previous page (NULL: the
+-- first page); $7 the page size. Filters are parameters, never spliced in.
+SELECT * FROM (
+    SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
+           error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
+           false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id
+    FROM nasiko_queue_jobs
+    WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+      AND ($3::text IS NULL OR state = $3)
+    UNION ALL
+    SELECT 'build', id, 'builds', payload ->> 'kind',
+           CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
+                       WHEN 'done' THEN 'completed' ELSE 'discarded' END,
+           attempt, NULL::int, error_msg, created_at, completed_at,
+           coalesce(completed_at, created_at), false, agent_id, connector_id
+    FROM build_jobs
+    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+      AND ($3::text IS NULL
+           OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
+                               WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+    UNION ALL
+    SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
+           error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
+           agent_id, connector_id
+    FROM nasiko_queue_deleted_build_jobs
+    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+      AND ($3::text IS NULL OR $3 = 'discarded')
+) AS j
+WHERE ($4::interval IS NULL OR j.at < now() - $4::interval)
+  AND ($5::timestamptz IS NULL OR (j.at, j.id) < ($5::timestamptz, $6::uuid))
+ORDER BY j.at DESC, j.id DESC
+LIMIT $7;
+
+-- name: plain_lock
+-- A plain job's state and unique key, its row locked until the retry or discard
+-- that reads it commits (so that a worker or another operator cannot change it
+-- in between). No row: no such plain job.
+SELECT state, unique_key FROM nasiko_queue_jobs WHERE id = $1 FOR UPDATE;
+
+-- name: plain_requeue
+-- Retry a dead plain job (discarded or cancelled): available now, as if just
+-- enqueued: attempts from 0, no error, not finished, no claim, no cancel asked.
+-- Its kept errors stay (they are its history). A unique key held by another job
+-- in one of this job's unique states raises unique_violation.
+UPDATE nasiko_queue_jobs
+SET state = 'available', attempt = 0, run_at = now(), error_msg = NULL, finished_at = NULL,
+    claimed_by = NULL, claim_token = NULL, cancel_requested = false
+WHERE id = $1 AND state IN ('discarded', 'cancelled');
+
+-- name: plain_delete_finished
+-- Discard a finished plain job (completed, discarded, cancelled) for good.
+DELETE FROM nasiko_queue_jobs
+WHERE id = $1 AND state IN ('completed', 'discarded', 'cancelled');
+
+-- name: build_job_peek
+-- A build job's status, target and payload, unlocked: a retry locks the target
+-- first (`agent_lock` / `connector_lock`, the lock order of docs/rules.md §6)
+-- and only then the job (`build_job_lock`).
+SELECT status, agent_id, connector_id, payload::text AS payload
+FROM build_jobs WHERE id = $1;
+
+-- name: build_job_lock
+-- A build job's status and target, its row locked (after its target's, when the
+-- caller retries it). No row: no such build job (or it was deleted meanwhile).
+SELECT status, agent_id, connector_id FROM build_jobs WHERE id = $1 FOR UPDATE;
+
+-- name: build_job_requeue
+-- Retry a failed build job: pending with attempt 0 and no error, as the
+-- original's enqueue writes a job, so that either side's worker runs it.
+-- picked_at, completed_at and the claim are cleared (they described the run
+-- that failed).
+UPDATE build_jobs
+SET status = 'pending', attempt = 0, error_msg = NULL, picked_at = NULL,
+    completed_at = NULL, claimed_by = NULL, claim_token = NULL
+WHERE id = $1 AND status = 'failed';
+
+-- name: agent_soft_deleted
+-- Whether agent $1 is soft-deleted (a job for it would fail `target deleted`).
+SELECT deleted_at IS NOT NULL FROM agents WHERE id = $1;
+
+-- name: agent_build_requeue
+-- A retried job's own build row $1 (of agent $2), if it failed, is queued again,
+-- as the enqueue point left it.
+UPDATE agent_builds SET status = 'queued' WHERE id = $1 AND agent_id = $2 AND status = 'failed';
+
+-- name: agent_redeploy
+-- A retried job's agent, if it had failed, is deploying again (what the
+-- enqueue point writes; terminalization fails only a deploying agent, so a
+-- second failure for good ends it `failed` again). Any other status is left.
+UPDATE agents SET status = 'deploying' WHERE id = $1 AND status = 'failed';
+
+-- name: connector_build_requeue
+-- As `agent_build_requeue`, for a connector's build row: pending again.
+UPDATE mcp_connector_builds SET status = 'pending', completed_at = NULL
+WHERE id = $1 AND connector_id = $2 AND status = 'failed';
+
+-- name: connector_redeploy
+-- As `agent_redeploy`, for a connector: a failed one is pending again.
+UPDATE mcp_connectors SET build_status = 'pending' WHERE id = $1 AND build_status = 'failed';
+
+-- name: build_job_delete_finished
+-- Discard a finished build job (done or failed) for good. The flag (local to
+-- the transaction) tells the trigger of 0010 not to copy a failed row aside:
+-- the operator means it gone, as retention does.
+DELETE FROM build_jobs
+WHERE id = $1 AND status IN ('done', 'failed')
+  AND (SELECT set_config('nasiko_queue.pruning', 'on', true)) = 'on';
+
+-- name: deleted_build_job_get
+-- The kept copy of a failed build job deleted with its target (for `job` and
+-- the refusal of its retry).
+SELECT id, payload ->> 'kind' AS kind, attempt, error_msg, agent_id, connector_id, owner_id,
+       created_at, picked_at, completed_at, deleted_at, payload::text AS payload
+FROM nasiko_queue_deleted_build_jobs WHERE id = $1;
+
+-- name: deleted_build_job_delete
+-- Discard the kept copy of a failed build job deleted with its target.
+DELETE FROM nasiko_queue_deleted_build_jobs WHERE id = $1;
+
+-- name: job_errors_delete
+-- A discarded job's kept errors go with it.
+DELETE FROM nasiko_queue_job_errors WHERE job_id = $1;
+
+
+-- ============================================================================
+-- Cron schedules (nasiko_queue_schedules, migration 0010).
+
+-- name: schedule_advance
+-- Move schedule $1's last tick forward to $2, if it is behind it; returns a row
+-- only then. The one transaction that moves it enqueues that tick's job (in the
+-- same transaction), so each tick is enqueued once: a concurrent scheduler
+-- waits for the row lock, re-reads the committed row, finds last_tick = $2,
+-- and updates nothing. A scheduler whose clock lags moves nothing either.
+UPDATE nasiko_queue_schedules SET last_tick = $2, updated_at = now()
+WHERE name = $1 AND last_tick < $2
+RETURNING last_tick;
+
+-- name: schedule_first_sight
+-- Record schedule $1 at tick $2 the first time any scheduler sees it; returns
+-- a row only to the one that inserted it. Run when `schedule_advance` moved
+-- nothing: no row yet, or a row already at or past $2. Schedulers racing on a
+-- new schedule wait on the same key; one inserts, the others insert nothing.
+INSERT INTO nasiko_queue_schedules (name, last_tick) VALUES ($1, $2)
+ON CONFLICT (name) DO NOTHING
+RETURNING last_tick;
+
+-- name: schedule_list
+-- Every schedule's last tick enqueued (or recorded), for tools and tests.
+SELECT name, last_tick, updated_at FROM nasiko_queue_schedules ORDER BY name;
+
+
+-- ============================================================================
+-- Health and metrics (nasiko_queue.web).
+
+-- name: health_ping
+-- `/health/ready`: the database answers.
+SELECT 1;
+
+-- name: metrics_jobs
+-- `/metrics`, one statement per scrape: jobs by queue, kind and state (build
+-- jobs as queue 'builds', kind from the payload), with the age in seconds of
+-- the oldest claimable job of each group (pending build jobs since created_at,
+-- available plain jobs that are due since run_at; NULL for the other groups).
+SELECT 'builds' AS queue, coalesce(payload ->> 'kind', '') AS kind, status AS state,
+       count(*) AS n,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
+           AS oldest
+FROM build_jobs
+GROUP BY status, payload ->> 'kind'
+UNION ALL
+SELECT queue, kind, state, count(*) AS n,
+       extract(epoch FROM now() - min(run_at) FILTER (
+           WHERE state = 'available' AND run_at <= now()))::float8 AS oldest
+FROM nasiko_queue_jobs
+GROUP BY queue, kind, state;
+-- Dashboard (nasiko_queue.web.dashboard).
+
+-- name: queue_pause
+-- Pause queue $1 (idempotent: a paused queue keeps its first paused_at).
+INSERT INTO nasiko_queue_paused_queues (queue) VALUES ($1)
+ON CONFLICT (queue) DO NOTHING;
+
+-- name: queue_resume
+-- Resume queue $1; returns its row when it was paused.
+DELETE FROM nasiko_queue_paused_queues WHERE queue = $1 RETURNING queue;
+
+-- name: queues_paused
+-- Every paused queue, with since when.
+SELECT queue, paused_at FROM nasiko_queue_paused_queues ORDER BY queue;
+
+-- name: throughput_buckets
+-- Jobs that ended in the last hour, per 5-minute bucket (0 = the oldest, 11 =
+-- the current one) and per outcome ('completed' or 'failed'), across plain jobs
+-- (finished_at) and build jobs (completed_at). Reads the finished indexes.
+SELECT b.bucket::int AS bucket, b.outcome, count(*)::int AS n FROM (
+    SELECT floor(extract(epoch FROM finished_at - (now() - interval '1 hour')) / 300)
+               AS bucket,
+           CASE WHEN state = 'completed' THEN 'completed' ELSE 'failed' END AS outcome
+    FROM nasiko_queue_jobs
+    WHERE state IN ('completed', 'discarded', 'cancelled')
+      AND finished_at > now() - interval '1 hour'
+    UNION ALL
+    SELECT floor(extract(epoch FROM completed_at - (now() - interval '1 hour')) / 300),
+           CASE WHEN status = 'done' THEN 'completed' ELSE 'failed' END
+    FROM build_jobs
+    WHERE status IN ('done', 'failed') AND completed_at > now() - interval '1 hour'
+) AS b
+WHERE b.bucket BETWEEN 0 AND 11
+GROUP BY b.bucket, b.outcome
+ORDER BY b.bucket;
+
+-- name: build_queue_counts
+-- The build jobs as the dashboard's queue "builds": counts in the listing's
+-- states (pending due now: available), and the kept copies as discarded.
+SELECT count(*) FILTER (WHERE status = 'pending')::int AS available,
+       count(*) FILTER (WHERE status = 'in_progress')::int AS running,
+       count(*) FILTER (WHERE status = 'done')::int AS completed,
+       (count(*) FILTER (WHERE status = 'failed')
+        + (SELECT count(*) FROM nasiko_queue_deleted_build_jobs))::int AS discarded
+FROM build_jobs;

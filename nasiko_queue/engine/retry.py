@@ -1,0 +1,92 @@
+"""
+The retry policy of final updates: a finished job's result is never lost.
+
+A final update (done, failed, back to pending, a lost claim given back) that
+fails is tried again with growing pauses until it lands (docs/rules.md §5). If it
+were dropped, the job would stay `in_progress` until a rescue or the sweep, which
+would run a finished build again. Each try is shielded from a hard stop and
+bounded by `cleanup_timeout` in the store; only the pause between tries can be
+cancelled, and then one last try is made.
+
+What is retried for as long as it lasts is one list (`errors.is_transient`:
+outages, deadlocks, lock time-outs). An update the database refuses on its
+merits (a trigger, a constraint, a value it cannot hold) is tried
+`terminalize_tries` times, then the caller's fallbacks take over in order (a
+job's outcome written as a minimal one, then the job ended with "could not
+record the outcome"), each with the same number of tries; when the last is
+refused too, `FinalWriteRefused` is raised for the caller to log. So no input
+and no rule of the application's can wedge a slot on one job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import trio
+
+from ..config import QueueConfig
+from ..errors import FinalWriteRefused, is_transient
+from ..job_errors import storable
+
+log = logging.getLogger("nasiko_queue.worker")
+
+T = TypeVar("T")
+
+
+class RetryPolicy:
+    """Backoff for final updates, from `QueueConfig` (`retry_*_delay`, `terminalize_tries`)."""
+
+    def __init__(self, config: QueueConfig) -> None:
+        self.config = config
+
+    async def final(
+        self,
+        what: str,
+        op: Callable[[], Awaitable[T]],
+        *,
+        fallbacks: Sequence[Callable[[], Awaitable[T]]] = (),
+    ) -> T:
+        """
+        Run `op` until it succeeds, through outages; after `terminalize_tries`
+        refusals on the merits, the next of `fallbacks` takes over; after as
+        many of the last one, raise `FinalWriteRefused` (from the refusal).
+        """
+        delay = self.config.retry_initial_delay
+        rejected = 0
+        remaining = list(fallbacks)
+        while True:
+            with trio.CancelScope(shield=True):
+                try:
+                    return await op()
+                except Exception as exc:
+                    failure: BaseException = exc
+            if not is_transient(failure):
+                rejected += 1
+                if rejected >= self.config.terminalize_tries:
+                    if not remaining:
+                        raise FinalWriteRefused(what, failure) from failure
+                    log.error("%s update rejected %d times (%s); falling back", what, rejected,
+                              one_line(failure))
+                    op, rejected = remaining.pop(0), 0
+                    continue
+            log.warning("%s update failed (%s); retrying in %.2fs", what, one_line(failure),
+                        delay, exc_info=failure)
+            try:
+                await trio.sleep(delay)
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await op()
+                    except Exception:
+                        log.exception("last %s update failed; the job waits for a rescue "
+                                      "or the sweep", what)
+                raise
+            delay = min(delay * 2, self.config.retry_max_delay)
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for log lines."""
+    text = str(exc).strip().splitlines()
+    return storable(f"{type(exc).__name__}: {text[0] if text else ''}")

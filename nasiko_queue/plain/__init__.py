@@ -1,0 +1,3 @@
+"""
+Plain jobs: their argument types, store, executor pipeline and cron schedules.
+"""

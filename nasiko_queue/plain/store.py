@@ -1,0 +1,182 @@
+"""
+Every transition of a plain job's row (`nasiko_queue_jobs`), for one queue.
+
+The worker runs one lane per queue (see `engine/lane.py`); a lane's producer,
+completer and slots talk to a `PlainJobStore` bound to its queue exactly as the
+build lane talks to `builds.store.PgJobStore`: the same claim tokens, the same guard on
+every write (`id`, `attempt`, `state = 'running'`), the same bounds on each
+statement. What differs is what an outcome means: a return completes the job, a
+crash makes it available again after its backoff, or discards it when that was
+its last attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from uuid import UUID
+
+import asyncpg
+
+from ..config import QueueConfig
+from ..db.claims import end_claims_backend, fetch_claiming, without_flush_wait
+from ..db.database import Database
+from ..db.statements import Q
+from ..engine.contracts import ClaimedJob, Finishing, JobStatus, LostClaim, Starting
+from ..job_errors import JobError, storable
+
+log = logging.getLogger("nasiko_queue.jobs")
+
+#: States a plain job ends in (`nasiko_queue_jobs.state`).
+DISCARDED = "discarded"
+CANCELLED = "cancelled"
+
+
+def _claimed(row: asyncpg.Record, queue: str) -> ClaimedJob:
+    return ClaimedJob(id=row["id"], agent_id=None, connector_id=None, owner_id=None,
+                      payload=row["payload"], old_attempt=row["old_attempt"],
+                      created_at=row["created_at"], kind=row["kind"],
+                      max_attempts=row["max_attempts"], priority=row["priority"], queue=queue)
+
+
+class PlainJobStore:
+    """
+    The lane store of one queue of plain jobs.
+
+    Args:
+        db: the connection pool.
+        config: the payload bound, the NOTIFY channel and `cleanup_timeout`.
+        queue: the queue this store claims from.
+        worker_id: whose claims these are (`claimed_by`): the worker's id once
+            it registered (None before, or for a tool that runs no worker).
+    """
+
+    def __init__(self, db: Database, config: QueueConfig, queue: str,
+                 worker_id: Callable[[], UUID | None]) -> None:
+        self._db = db
+        self._config = config
+        self.queue = queue
+        self._worker_id = worker_id
+        self._bound = config.cleanup_timeout
+        self._claim_sql = (Q.plain_claim if config.claim_synchronous_commit
+                           else without_flush_wait(Q.plain_claim))
+
+    async def claim(self, limit: int) -> list[ClaimedJob]:
+        """Claim up to `limit` due jobs of the queue, by priority then due time."""
+        token = uuid.uuid4()
+        args = (self.queue, limit, token, self._worker_id(),
+                self._config.max_payload_bytes)
+        rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
+                                    bound=self._bound)
+        jobs = [_claimed(row, self.queue) for row in rows]
+        jobs.sort(key=lambda j: j.order)
+        return jobs
+
+    async def finish_many_and_claim(
+        self, finishing: Sequence[Finishing], limit: int, *, starts: Sequence[Starting] = ()
+    ) -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
+        """
+        Complete each job of `finishing` (its executor returned) and claim up to
+        `limit`, in one round trip. A completed job reports `JobStatus.DONE`.
+        Plain jobs have no build row: nothing is reported or started.
+        """
+        token = uuid.uuid4()
+        args = ([j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing],
+                self.queue, limit, token, self._worker_id(),
+                self._config.max_payload_bytes)
+        rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
+                                    claims=limit > 0, bound=self._bound)
+        statuses: dict[UUID, JobStatus | None] = {}
+        claimed: list[ClaimedJob] = []
+        for row in rows:
+            if row["finished_id"] is not None:
+                done = row["finished_status"] == "completed"
+                statuses[row["finished_id"]] = JobStatus.DONE if done else None
+            else:
+                claimed.append(_claimed(row, self.queue))
+        claimed.sort(key=lambda j: j.order)
+        return statuses, claimed
+
+    async def resolve_lost_claim(self, claim: LostClaim) -> int:
+        """As `PgJobStore.resolve_lost_claim`: end the server process, then give back."""
+        async def resolve(conn: asyncpg.Connection) -> int:
+            await end_claims_backend(conn, claim, self._bound)
+            return int(await conn.fetchval(Q.plain_unclaim_lost, claim.token,
+                                           timeout=self._bound))
+
+        given: int = await self._db.run_bounded(resolve, bound=self._bound)
+        if given:
+            log.warning("gave back %d job(s) of queue %r taken by a claim whose answer was "
+                        "lost", given, self.queue)
+        return given
+
+    async def unclaim(self, jobs: list[ClaimedJob]) -> int:
+        """Claimed jobs that never started: available again, attempts restored."""
+        if not jobs:
+            return 0
+        args = ([j.id for j in jobs], [j.attempt for j in jobs])
+        status = await self._db.run_bounded(
+            lambda conn: conn.execute(Q.plain_unclaim, *args, timeout=self._bound),
+            bound=self._bound, generic=True)
+        await self._notify()
+        return int(status.split()[-1])
+
+    async def retry(self, job: ClaimedJob, delay: float, error: str) -> str | None:
+        """
+        A crashed run: available again in `delay` seconds, or discarded when it
+        was the job's last attempt. Returns the state written; None when the
+        job is no longer ours.
+        """
+        args = (job.id, job.attempt, delay, storable(error))
+        state: str | None = await self._db.run_bounded(
+            lambda conn: conn.fetchval(Q.plain_retry, *args, timeout=self._bound),
+            bound=self._bound)
+        return state
+
+    async def end(self, job: ClaimedJob, state: str, error: str | None) -> bool:
+        """End the run for good: `DISCARDED` or `CANCELLED`; False if no longer ours."""
+        args = (job.id, job.attempt, state, None if error is None else storable(error))
+        written = await self._db.run_bounded(
+            lambda conn: conn.fetchval(Q.plain_end, *args, timeout=self._bound),
+            bound=self._bound)
+        return written is not None
+
+    async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool:
+        """A finish the database refused on its merits, alone too: discarded with
+        `why` ("could not record the outcome: ..."); False if no longer ours."""
+        return await self.end(job, DISCARDED, why)
+
+    async def reset(self, job: ClaimedJob) -> bool:
+        """A hard stop or the fence cut the run: available again, attempt counted."""
+        status = await self._db.run_bounded(
+            lambda conn: conn.execute(Q.plain_reset, job.id, job.attempt, timeout=self._bound),
+            bound=self._bound)
+        if status.endswith(" 0"):
+            return False
+        await self._notify()
+        return True
+
+    async def record_error(self, job: ClaimedJob, error: JobError) -> None:
+        """Keep a crashed attempt's error (`nasiko_queue_job_errors`)."""
+        worker = self._worker_id()
+        await self._db.run_bounded(
+            lambda conn: conn.execute(Q.job_error_insert, job.id, error.attempt, worker,
+                                      error.reason, storable(error.error_type),
+                                      storable(error.message), storable(error.traceback),
+                                      timeout=self._bound),
+            bound=self._bound)
+
+    async def next_due(self) -> float | None:
+        """Seconds until the queue's next scheduled job is due; None: none is."""
+        value = await self._db.run_bounded(
+            lambda conn: conn.fetchval(Q.plain_next_due, self.queue, timeout=self._bound),
+            bound=self._bound, generic=True)
+        return None if value is None else max(0.0, float(value))
+
+    async def _notify(self) -> None:
+        channel = self._config.notify_channel
+        if channel is not None:
+            await self._db.run_bounded(
+                lambda conn: conn.execute(Q.queue_notify, channel, timeout=self._bound),
+                bound=self._bound)
