@@ -38,6 +38,7 @@ from nasiko_queue.testing import (
 )
 
 from .helpers import (
+    TEST_DEADLINE,
     agent_state,
     build_state,
     connector_state,
@@ -614,6 +615,21 @@ async def test_stop_while_idle_returns(queue: Queue) -> None:
         await nursery.start(worker.run)
         worker.stop()
     assert worker.stats.drains_completed >= 1
+
+
+async def test_a_worker_stopped_before_its_lanes_run_still_drains_each_lane_once(
+    queue: Queue,
+) -> None:
+    """The race behind a flaky `test_stop_while_idle_returns`, made certain: a stop
+    that comes before a lane's drain loop first runs. Each lane still runs one
+    (empty) drain and ends it, so that `drains_started == drains_completed`."""
+    worker = Worker(queue, executors_for_all(succeed))
+    worker.stop()
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+    assert [lane.state.drains_completed for lane in worker.lanes] == [1] * len(worker.lanes)
+    assert worker.stats.drains_started == worker.stats.drains_completed
 
 
 async def test_poll_finds_jobs_nobody_woke_for(queue: Queue) -> None:

@@ -98,9 +98,14 @@ class Lane:
         """Drain, wait for a wake, the poll or the next due job; until stopped."""
         state, poll = self.state, self.state.config.poll_interval
         try:
-            while not state.stopping.is_set():
+            while True:
                 if not state.drain_begun:  # else a wake began it already
                     state.begin_drain()
+                    if state.stopping.is_set():
+                        # Stopped before this lane's first drain: that drain claims
+                        # nothing and ends at once (the stop ended the drains under
+                        # way, not this one), so that every lane drains at least once.
+                        state.end_drain()
                 state.drain_begun = False
                 state.woken = False  # the drain answers every wake so far
                 try:
@@ -109,7 +114,9 @@ class Lane:
                         await self.refresh_due()
                 finally:
                     self._drain_over()
-                if state.stopping.is_set() or state.woken:
+                if state.stopping.is_set():
+                    return
+                if state.woken:
                     continue
                 state.wake_event = trio.Event()
                 state.waiting = True
