@@ -18,9 +18,10 @@ import nasiko_queue.admin.jobs
 import nasiko_queue.builds.store
 import nasiko_queue.plain.store
 import nasiko_queue.queue
+from nasiko_queue import QueueConfig
 from nasiko_queue.engine.lane import Lane
 from nasiko_queue.engine.worker import Worker
-from nasiko_queue.testing.mutants import plant_sql
+from nasiko_queue.testing.mutants import plant_sql, swap
 from nasiko_queue.testing.plain_machine import PlainStateMachine, plain_profile
 from nasiko_queue.testing.runner import expect_failure
 
@@ -128,8 +129,8 @@ class _CoupledLane(Lane):
 
 
 class _CoupledLanes(PlainStateMachine):
-    def make_worker(self) -> Worker:
-        worker = super().make_worker()
+    def make_worker(self, config: QueueConfig | None = None) -> Worker:
+        worker = super().make_worker(config)
         lanes = [_CoupledLane(**{f.name: getattr(lane, f.name) for f in attrs.fields(Lane)})
                  for lane in worker.lanes]
         for lane in lanes:
@@ -143,4 +144,26 @@ async def test_the_plain_machine_finds_lanes_that_wait_for_each_other(dsn: str) 
     found = await expect_failure(dsn, _CoupledLanes, settings=HUNT)
     print(f"\nmutant coupled_lanes: found in example {found.examples}: {found.error!r}"[:400])
     assert any("state.drain_beside_a_busy_lane()" in step
+               for steps in found.steps for step in steps), found.reports
+
+
+# -- the fence (issue #20) -----------------------------------------------------------------
+
+
+def _fence_without_cancelling(self: Worker, _why: str) -> None:
+    """A fence that stops claiming but leaves the running executors running: the
+    fenced worker would run its jobs beside the rescue's re-run."""
+    self.state.fenced = True
+    self.state.fence_epoch += 1
+
+
+@pytest.mark.slow
+async def test_the_plain_machine_finds_a_fence_that_does_not_stop_its_runs(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swap(monkeypatch, Worker, "fence", _fence_without_cancelling)
+    found = await expect_failure(dsn, PlainStateMachine, settings=HUNT)
+    print(f"\nmutant fence_without_cancelling: found in example {found.examples}: "
+          f"{found.error!r}"[:400])
+    assert any("state.drain_then_fence()" in step
                for steps in found.steps for step in steps), found.reports

@@ -93,6 +93,13 @@ PLAIN_CONFIG = QueueConfig(
     retry_max_delay=0.05,
 )
 
+#: The machine's worker for `drain_then_fence`: it heartbeats only when told to
+#: (`beat_once`), so that no beat of its own fences it a second time.
+FENCED_CONFIG = attrs.evolve(PLAIN_CONFIG, heartbeat_interval=3600.0, lease=3 * 3600.0)
+
+#: What the leader does to a worker paused past its lease: declared dead ($1).
+DECLARE_DEAD = "UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1"
+
 #: Moves run_at and attempted_at of every job back by $1 seconds: time passes
 #: for the schedule. Every row, not only the waiting ones: a job a dead worker
 #: holds keeps its run_at when the rescue gives it back, and must then be due
@@ -267,8 +274,9 @@ class PlainStateMachine(DatabaseMachine):
 
     # -- hooks (mutation tests swap these) -----------------------------------------
 
-    def make_worker(self) -> Worker:
-        return Worker(self.queue, self.executors)
+    def make_worker(self, config: QueueConfig | None = None) -> Worker:
+        queue = self.queue if config is None else Queue(self.env.db, config=config)
+        return Worker(queue, self.executors)
 
     # -- rules: the application --------------------------------------------------------
 
@@ -357,6 +365,17 @@ class PlainStateMachine(DatabaseMachine):
         self._drain_and_check(OnHang.HARD_STOP)
 
     @rule()
+    def drain_then_fence(self) -> None:
+        """
+        As `drain`, but the worker of a hung run is cut off: declared dead (as
+        the leader does to a worker paused past its lease), it learns so at its
+        next heartbeat and fences: the run is stopped and its outcome never
+        written, the job is available again at once (attempt counted), and the
+        worker, registered anew, drains on.
+        """
+        self._drain_and_check(OnHang.FENCE)
+
+    @rule()
     def drain_beside_a_busy_lane(self) -> None:
         """
         As `drain`, while another lane of the same worker (queue `BUSY_QUEUE`) is
@@ -379,7 +398,7 @@ class PlainStateMachine(DatabaseMachine):
             f"the drain ran {ran}; the model (priority, then run_at) says {expected.runs}")
 
     async def _drain(self, on_hang: OnHang, busy: bool = False) -> list[UUID]:
-        worker = self.make_worker()
+        worker = self.make_worker(FENCED_CONFIG if on_hang is OnHang.FENCE else None)
         world = self.world
         world.new_drain()
         world.busy_started, world.busy_release = trio.Event(), trio.Event()
@@ -404,6 +423,9 @@ class PlainStateMachine(DatabaseMachine):
                     hard = True
                     break
                 world.rearm()
+                if on_hang is OnHang.FENCE:
+                    await self._fence(worker)
+                    continue
                 before = worker.stats.cancelled
                 answer = await self.queue.cancel(job_id)
                 assert answer == "cancelling", f"cancel of a running job said {answer!r}"
@@ -417,6 +439,17 @@ class PlainStateMachine(DatabaseMachine):
             else:
                 worker.stop()
         return list(world.log)
+
+    async def _fence(self, worker: Worker) -> None:
+        """Declare `worker` dead; its next heartbeat fences it, and the fenced run
+        puts its job back."""
+        await worker.wait_for(lambda s: s.heartbeats >= 1)  # its own first beat landed
+        identity = worker.heartbeat.identity
+        assert identity is not None
+        released = worker.stats.released
+        await self.env.db.execute(DECLARE_DEAD, identity.id)
+        await worker.heartbeat.beat_once()
+        await worker.wait_for(lambda s: s.released > released)
 
     @staticmethod
     async def _drained_or_hung(worker: Worker, hung: trio.Event) -> bool:

@@ -61,6 +61,10 @@ class OnHang(enum.Enum):
     CANCEL = "cancel"
     #: The worker is stopped hard: the job is available again at once, attempt counted.
     HARD_STOP = "hard_stop"
+    #: The worker is cut off (declared dead; it learns so at its next heartbeat):
+    #: the fence stops the run and puts the job back, available at once with the
+    #: attempt counted; the worker registers anew and drains on.
+    FENCE = "fence"
 
 
 def backoff(attempt: int) -> float:
@@ -197,8 +201,9 @@ class PlainModel:
         One worker (one slot) runs the queue until nothing is due: each claim
         takes `next_due`; a claim past the job's attempts discards it unrun; a
         run returns (completed), raises (`_crash`) or hangs. A hang is cancelled
-        (the job ends cancelled, the drain goes on) or ends the drain with a hard
-        stop (available again at once, its attempt counted, run_at unchanged).
+        (the job ends cancelled, the drain goes on), fenced (available again at
+        once, its attempt counted, run_at unchanged; the drain goes on) or ends
+        the drain with a hard stop (available again, as for the fence).
         """
         result = DrainResult()
         while (job := self._claim(queue, None)) is not None:
@@ -213,6 +218,8 @@ class PlainModel:
                 self._crash(job)
             elif run is Run.CANCEL_THEN_RAISE or on_hang is OnHang.CANCEL:
                 job.state = CANCELLED
+            elif on_hang is OnHang.FENCE:
+                job.state = AVAILABLE
             else:
                 job.state = AVAILABLE
                 result.hard_stopped = job.id
