@@ -387,16 +387,18 @@ async def test_a_hard_stop_keeps_heartbeating_until_its_executors_end(db: Databa
                     await worker.run(task_status=task_status)
 
             await nursery.start(run)
-            await queue.enqueue(Slow())
-            await started.wait()
-            run_scope.cancel()  # the hard stop
-            beats = worker.stats.heartbeats
-            await worker.wait_for(lambda s: s.heartbeats >= beats + 3)
-            me = worker.heartbeat.identity
-            assert me is not None
-            assert await db.fetchval("SELECT dead_at IS NULL FROM nasiko_queue_workers "
-                                     "WHERE id = $1", me.id)
-            release.set()
+            try:
+                await queue.enqueue(Slow())
+                await started.wait()
+                run_scope.cancel()  # the hard stop
+                beats = worker.stats.heartbeats
+                await worker.wait_for(lambda s: s.heartbeats >= beats + 3)
+                me = worker.heartbeat.identity
+                assert me is not None
+                assert await db.fetchval("SELECT dead_at IS NULL FROM nasiko_queue_workers "
+                                         "WHERE id = $1", me.id)
+            finally:
+                release.set()  # else a failure here would wait on the shielded run for ever
     # The executor returned: the heartbeat ended with it and the row went.
     assert await db.fetchval("SELECT count(*) FROM nasiko_queue_workers") == 0
 
@@ -416,3 +418,45 @@ def test_a_lane_config_is_the_workers_with_its_own_concurrency() -> None:
     shared.fenced = True
     assert a.room() == 0
     assert b.room() == 0
+
+
+async def test_a_cancel_of_a_job_still_running_under_a_retired_identity_is_not_lost(
+    db: Database,
+) -> None:
+    """
+    Decided (issue #20): a cancel need not reach a run the fence already stopped.
+    The fence cancels every run's scope; one that shields itself runs on under the
+    retired identity, and its outcome is never written (its claim is no longer
+    current). The cancel is kept on the row, and the leader's rescue of the
+    retired identity's jobs ends the job `cancelled`.
+    """
+    config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
+                          queues={"slow": 1}, maintenance=False)
+    queue = Queue(db, config=config)
+    leader = PgJobStore(db, config, runnable_kinds=frozenset(), known_kinds=frozenset())
+    started, release = trio.Event(), trio.Event()
+
+    async def stubborn(ctx: PlainJobContext[Slow]) -> None:
+        started.set()
+        with trio.CancelScope(shield=True):
+            await release.wait()
+
+    executors = Executors()
+    executors.register(Slow, stubborn)
+    worker = Worker(queue, executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            try:
+                job_id = await queue.enqueue(Slow())
+                await started.wait()
+                await _declare_dead(db, worker)  # fenced; registered anew
+                assert await queue.cancel(job_id) == "cancelling"
+                rescued = await leader.rescue()
+                assert rescued.failed == 1  # ended for good: cancelled
+                assert await plain_state(db, job_id) == ("cancelled", 1)
+            finally:
+                release.set()  # the stale run returns: its completion changes nothing
+            await worker.drain_once()
+            worker.stop()
+    assert await plain_state(db, job_id) == ("cancelled", 1)
