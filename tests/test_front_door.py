@@ -10,6 +10,7 @@ Every process here is waited on through what it prints, never a sleep.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,12 +86,12 @@ async def test_run_worker_first_ctrl_c_waits_for_the_job_and_the_second_exits_13
                 while chunk := await proc.stderr.receive_some():
                     err += chunk
                     if interrupts == 0 and b"started" in err:
-                        proc.send_signal(2)
+                        proc.send_signal(signal.SIGINT)
                         interrupts = 1
                     elif interrupts == 1 and b"stopping once the running jobs finish" in err:
                         await second_interrupt(err.decode())
                         assert proc.returncode is None
-                        proc.send_signal(2)
+                        proc.send_signal(signal.SIGINT)
                         interrupts = 2
                 code = await proc.wait()
             finally:
@@ -123,6 +124,23 @@ async def test_run_worker_stops_when_until_holds_and_on_stop(db: nq.Database) ->
             other.stop()
     with pytest.raises(TypeError, match="until= needs a Worker"):
         await nq.run_worker(nq.Scheduler(queue, []), until=lambda stats: True)
+
+
+async def test_run_worker_stops_a_lone_scheduler_on_the_first_ctrl_c(db: nq.Database) -> None:
+    """A scheduler has nothing to finish: the first SIGINT ends it, and that is a 0."""
+    from .cli_executors import schedules
+
+    codes: list[int] = []
+
+    async def run(*, task_status: trio.TaskStatus[None]) -> None:
+        codes.append(await nq.run_worker(nq.Scheduler(nq.Queue(db), schedules),
+                                         task_status=task_status))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run)
+            os.kill(os.getpid(), signal.SIGINT)  # to its receiver, not to pytest
+    assert codes == [0]
 
 
 # -- the CLI's worker and Ctrl-C ------------------------------------------------------
