@@ -46,8 +46,12 @@ from .db.database import Database as Database
 from .db.database import DatabaseConfig as DatabaseConfig
 from .db.database import Transaction as Transaction
 from .db.database import open_database as open_database
+from .db.embedded import local_database as local_database
 from .db.migrate import migrate as migrate
 from .engine.contracts import JobStatus as JobStatus
+from .engine.signals import EXIT_HARD_STOP as EXIT_HARD_STOP
+from .engine.signals import run_worker as run_worker
+from .engine.state import WorkerStats as WorkerStats
 from .engine.worker import Worker as Worker
 from .errors import ConfigurationError as ConfigurationError
 from .errors import InvalidPayload as InvalidPayload
@@ -72,5 +76,6 @@ from .queue import CancelResult as CancelResult
 from .queue import Queue as Queue
 from .secrets import Secret as Secret
 from .secrets import SecretBox as SecretBox
+from .secrets import generate_master_key as generate_master_key
 
 __version__ = "0.1.0"

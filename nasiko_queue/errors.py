@@ -54,6 +54,10 @@ class ConfigurationError(NasikoQueueError, ValueError):
     """A setting is out of range or two settings contradict each other."""
 
 
+class CannotListen(NasikoQueueError):
+    """An HTTP service could not listen where it was told (a busy port, a foreign address)."""
+
+
 class OutcomeUnknown(NasikoQueueError):
     """
     A statement went out and its answer did not come back in time (or its

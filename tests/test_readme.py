@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
 import types
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import attrs
 import pytest
+import trio
 from click.testing import CliRunner
 
 from nasiko_queue.cli import main
-from nasiko_queue.secrets import generate_master_key
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -24,14 +29,6 @@ _ABSENT_CONTRACT = re.compile(r"\bSPEC\b|shared/")
 
 def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-
-
-async def test_embedding_example_runs(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    example = _python_blocks()[0]  # the embedding example (the second is a sketch)
-    namespace: dict[str, object] = {"__name__": "readme_example"}
-    exec(compile(example, str(README), "exec"), namespace)  # noqa: S102
-    await namespace["main"](dsn, generate_master_key())  # type: ignore[operator]
-    assert capsys.readouterr().out.strip().splitlines()[-1] == "done"
 
 
 def _block(marker: str) -> str:
@@ -49,37 +46,128 @@ def _module(marker: str, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return module
 
 
-async def test_plain_jobs_example_runs(dsn: str, capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    await _module("plain jobs", monkeypatch).main(dsn)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == "done"
+#: The README's python blocks that are not programs, by first line, each with why.
+#: Every other block starts with ``# readme: NAME`` and is run by `test_readme_block_runs`.
+NOT_RUNNABLE = {
+    "# tests/test_my_queue.py — a pytest-trio test; `dsn` is a migrated database of its own":
+        "a sketch of the reader's own test: MyUpload and my_pipeline are theirs; "
+        "tests/test_statemachine_users.py is the complete version, and runs",
+}
+
+
+def _marker(block: str) -> str | None:
+    first = block.splitlines()[0]
+    return first.removeprefix("# readme: ") if first.startswith("# readme: ") else None
+
+
+def _runnable() -> list[str]:
+    return [m for b in _python_blocks() if (m := _marker(b)) is not None]
+
+
+def test_every_python_block_runs_or_says_why_not() -> None:
+    """A block is a program the test below runs, or a sketch named in NOT_RUNNABLE."""
+    sketches = [b.splitlines()[0] for b in _python_blocks() if _marker(b) is None]
+    assert sketches == list(NOT_RUNNABLE), "a README block is neither run nor excused"
+    assert (ROOT / "tests" / "test_statemachine_users.py").exists()
+    assert sorted(_runnable()) == sorted(_RUNS), "each runnable block needs its check here"
+    for block in map(_block, _runnable()):
+        assert 'if __name__ == "__main__":' in block
+        assert "nq.local_database()" in block  # DATABASE_URL, else a server of its own
+
+
+@attrs.frozen
+class _Run:
+    """How a block ends, and what it must have printed."""
+
+    #: The stderr line after which it runs until stopped: the test sends SIGINT
+    #: there (None: the program ends by itself).
+    interrupt_after: str | None = None
+    stdout: Callable[[list[str]], bool] = lambda _lines: True
+
+
+_RUNS = {
+    "embedding": _Run(stdout=lambda out: out == ["done"]),
     # The urgent one and the welcome one (once); the digest was cancelled. (Their
     # order is the slots', four at once; priority is tested in test_plain_jobs.)
-    assert sorted(out[:-1]) == ["sending urgent to ops@example.com attempt 1",
-                                "sending welcome to b@example.com attempt 1"]
+    "plain jobs": _Run(stdout=lambda out: sorted(out) == [
+        "sending urgent to ops@example.com attempt 1",
+        "sending welcome to b@example.com attempt 1"]),
+    "cron": _Run(interrupt_after="Ctrl-C or SIGTERM once"),
+    "dead letters": _Run(stdout=lambda out: out == [
+        "notify ConnectionError: SMTPError: refused (1 error kept)",
+        "sent to ops@example.com on attempt 1"]),
+    "health": _Run(interrupt_after="Ctrl-C or SIGTERM once"),
+}
 
 
-async def test_dead_letters_example_runs(dsn: str, capsys: pytest.CaptureFixture[str],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The triage loop retries an hour-old dead email job, and it is waiting again."""
-    import uuid
+async def run_program(path: Path, env: dict[str, str], *,
+                      interrupt_after: str | None = None,
+                      also: Callable[[str], Awaitable[None]] | None = None,
+                      ) -> tuple[int, str, str]:
+    """Run `python path`; with `interrupt_after`, SIGINT once stderr has that line
+    (after awaiting `also(stderr so far)`). Returns the exit code, stdout, stderr."""
+    out = path.with_suffix(".out")
+    with out.open("wb") as stdout, trio.fail_after(PROGRAM_DEADLINE):
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, str(path)], stdout=stdout, stderr=subprocess.PIPE,
+            env=env, cwd=path.parent)
+        try:
+            assert proc.stderr is not None
+            err = b""
+            sent = interrupt_after is None
+            while chunk := await proc.stderr.receive_some():
+                err += chunk
+                if not sent and interrupt_after.encode() in err:  # type: ignore[union-attr]
+                    if also is not None:
+                        await also(err.decode())
+                    proc.send_signal(signal.SIGINT)
+                    sent = True
+            code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    return code, out.read_text(), err.decode()
 
-    from nasiko_queue import QueueConfig, open_database
 
-    async with open_database(dsn) as db:
-        job_id = uuid.uuid4()
-        await db.execute(
-            "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, attempt, "
-            "max_attempts, error_msg, finished_at) VALUES ($1, 'email', 'send_email', "
-            "'{\"kind\": \"send_email\"}', 'discarded', 5, 5, 'SMTPError: refused', "
-            "now() - interval '2 hours')", job_id)
-        await _module("dead letters", monkeypatch).triage(db, QueueConfig())
-        row = await db.fetchrow("SELECT state, attempt FROM nasiko_queue_jobs WHERE id = $1",
-                                job_id)
-    assert (row["state"], row["attempt"]) == ("available", 0)
-    assert capsys.readouterr().out.split() == [str(job_id), "send_email", "SMTPError:",
-                                               "refused", "0"]
+#: Seconds a README program may take, its database's migrations included.
+PROGRAM_DEADLINE = 120
+
+
+def example_env(dsn: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NASIKO_QUEUE_MASTER_KEY", "NASIKO_QUEUE_TEST_DSN")}
+    return {**env, "DATABASE_URL": dsn, "PYTHONPATH": str(ROOT)}
+
+
+async def _health_answers(stderr: str) -> None:
+    """The health block's service answers on the port it logged."""
+    [where] = re.findall(r"serving health and metrics on http://(\S+)", stderr)
+    host, port = where.rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(b"GET /health/live HTTP/1.0\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := await stream.receive_some():
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+@pytest.mark.parametrize("marker", _runnable())
+async def test_readme_block_runs(marker: str, dsn: str, tmp_path: Path) -> None:
+    """Each python block of the README, saved as a file and run with `python` as a
+    reader would (DATABASE_URL set, no master key), exits 0; a block that runs until
+    stopped is sent Ctrl-C once it says it runs, and ends cleanly: 0, no traceback."""
+    run = _RUNS[marker]
+    program = tmp_path / "example.py"
+    program.write_text(_block(marker))
+    code, out, err = await run_program(
+        program, example_env(dsn), interrupt_after=run.interrupt_after,
+        also=_health_answers if marker == "health" else None)
+    assert code == 0, err
+    assert run.stdout(out.splitlines()), out
+    if run.interrupt_after is not None:
+        assert "SIGINT: stopping once the running jobs finish" in err
+        assert "Traceback" not in err, err
 
 
 async def test_cron_example_runs(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ from rich.console import Console
 from .. import __version__
 from ..admin.retention import parse_duration
 from ..config import QueueConfig
+from ..engine.signals import EXIT_HARD_STOP as EXIT_HARD_STOP
 from ..errors import NasikoQueueError
 
 log = logging.getLogger("nasiko_queue.cli")
@@ -34,9 +35,6 @@ MASTER_KEY_ENV = "NASIKO_QUEUE_MASTER_KEY"
 #: The dashboard's login token (`dashboard --token`, `worker --http --dashboard`).
 DASHBOARD_TOKEN_ENV = "NASIKO_QUEUE_DASHBOARD_TOKEN"  # noqa: S105 (a variable's name)
 
-#: Exit code of a worker stopped by a second signal (128 + SIGINT, as shells report
-#: Ctrl-C), so that scripts can tell a hard stop from a clean one.
-EXIT_HARD_STOP = 130
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -123,6 +121,15 @@ def _run(dsn: str | None, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(EXIT_HARD_STOP)
+    except BaseExceptionGroup as group:
+        # Ctrl-C through a nursery (the dashboard's server) arrives grouped.
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(group)):
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_HARD_STOP)
+        message = _explain(group, dsn) if isinstance(group, ExceptionGroup) else None
+        if message is None:
+            raise
+        raise click.ClickException(message) from None
     except Exception as exc:
         message = _explain(exc, dsn)
         if message is None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import click
+import trio
 
 from ..config import QueueConfig
 from ..db.database import open_database
@@ -47,6 +48,7 @@ def dashboard_command(dsn: str | None, bind: str, token: str | None, read_only: 
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
+        from ..web.bind import reporting_bind_errors
         from ..web.dashboard import dashboard_app
     except ImportError as exc:
         raise OperatorError(f"`nasiko-queue dashboard` needs the [http] extra: "
@@ -62,7 +64,10 @@ def dashboard_command(dsn: str | None, bind: str, token: str | None, read_only: 
             app = dashboard_app(db, token=token or None, read_only=read_only, config=config,
                                 schedules=schedules)
             mode = "read-only" if read_only or not token else "actions need the token"
-            click.echo(f"dashboard on http://{bind}/ ({mode})", err=True)
-            await serve(app, hyper)  # type: ignore[arg-type]
+            async with trio.open_nursery() as nursery:
+                with reporting_bind_errors(bind):  # a busy port, named in one line
+                    binds: list[str] = await nursery.start(serve, app, hyper)
+                # Said once it listens (a busy port prints only its error).
+                click.echo(f"dashboard on {binds[0]}/ ({mode})", err=True)
 
     _run(dsn, serve_dashboard)

@@ -14,7 +14,6 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import attrs
 import click
 import trio
 
@@ -23,6 +22,8 @@ from ..config import QueueConfig
 from ..db.database import Database, open_database
 from ..db.migrate import load_migrations
 from ..db.statements import Q
+from ..engine.signals import Shutdown as _Shutdown
+from ..engine.signals import watch_signals
 from ..engine.worker import Worker
 from ..errors import ConfigurationError, NasikoQueueError, is_transient
 from ..executors import Executors
@@ -101,33 +102,11 @@ def _master_key() -> SecretBox | None:
         raise OperatorError(f"{MASTER_KEY_ENV}: {exc}") from None
 
 
-@attrs.define
-class _Shutdown:
-    """What the signals asked for so far (the first stops gently, the second at once)."""
-
-    graceful: bool = False
-    hard: bool = False
-    #: Set by the first signal (wakes a worker still waiting for its database).
-    requested: trio.Event = attrs.Factory(trio.Event)
-
-
 async def _watch_signals(
     signals: AsyncIterator[int], worker: Worker, scope: trio.CancelScope, shutdown: _Shutdown
 ) -> None:
     """First SIGINT/SIGTERM: `worker.stop()` (docs/rules.md §8, graceful). Second: hard stop."""
-    async for signum in signals:
-        name = signal.Signals(signum).name
-        if not shutdown.graceful:
-            shutdown.graceful = True
-            shutdown.requested.set()
-            log.info("%s: stopping once the running jobs finish (send it again to stop now)",
-                     name)
-            worker.stop()
-        else:
-            shutdown.hard = True
-            log.warning("%s again: stopping now; running jobs go back to pending", name)
-            scope.cancel()
-            return
+    await watch_signals(signals, worker.stop, scope, shutdown, logger=log, level=logging.INFO)
 
 
 async def _check_schema(db: Database) -> None:

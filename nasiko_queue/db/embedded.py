@@ -14,17 +14,22 @@ created only where neither exists).
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import NasikoQueueError
+
+log = logging.getLogger("nasiko_queue.embedded")
 
 
 class EmbeddedPostgresError(NasikoQueueError):
@@ -179,3 +184,23 @@ class EmbeddedPostgres:
         tb: TracebackType | None,
     ) -> None:
         self.cleanup()
+
+
+@contextmanager
+def local_database(env: str = "DATABASE_URL") -> Iterator[str]:
+    """
+    A DSN for an example or a tool: the environment variable `env` when it is set,
+    else a throw-away PostgreSQL started for the block and removed after it.
+
+    >>> with local_database() as dsn:
+    ...     trio.run(main, dsn)
+
+    The throw-away server is `EmbeddedPostgres` (the machine's PostgreSQL binaries,
+    else the `pgserver` wheel's): its data is gone when the block ends.
+    """
+    if dsn := os.environ.get(env):
+        yield dsn
+        return
+    log.info("%s is not set: starting a throw-away PostgreSQL", env)
+    with EmbeddedPostgres() as server:
+        yield server.dsn

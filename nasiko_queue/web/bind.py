@@ -5,6 +5,12 @@ Where the HTTP service listens: `--http HOST:PORT`, parsed without the [http] ex
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..errors import CannotListen
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9181
 
@@ -28,3 +34,36 @@ def parse_bind(spec: str) -> tuple[str, int]:
     if any(c.isspace() for c in host):
         raise ValueError(f"{spec!r}: the host has spaces in it")
     return host or DEFAULT_HOST, port
+
+
+#: The errors of a bind the operator can fix, as they are reported.
+_BIND_ERRORS = {
+    errno.EADDRINUSE: "address already in use",
+    errno.EADDRNOTAVAIL: "no such address on this machine",
+    errno.EACCES: "permission denied (a port under 1024 needs privileges)",
+}
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+@contextmanager
+def reporting_bind_errors(where: str) -> Iterator[None]:
+    """
+    Turn a failed bind inside the block (hypercorn's, through any nursery) into
+    `CannotListen` naming `where`: "cannot listen on 127.0.0.1:9182: address
+    already in use", not an OSError that reads like a database failure.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        for leaf in _leaves(exc):
+            if isinstance(leaf, OSError) and leaf.errno in _BIND_ERRORS:
+                raise CannotListen(
+                    f"cannot listen on {where}: {_BIND_ERRORS[leaf.errno]}") from None
+        raise

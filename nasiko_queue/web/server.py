@@ -39,7 +39,7 @@ import trio
 
 from ..engine.worker import Worker
 from ..queue import Queue
-from .bind import DEFAULT_HOST, DEFAULT_PORT, parse_bind
+from .bind import DEFAULT_HOST, DEFAULT_PORT, parse_bind, reporting_bind_errors
 from .health import Health
 from .metrics import Metrics
 
@@ -77,7 +77,8 @@ async def serve(app: ASGIApp, host: str, port: int, *,
     config.graceful_timeout = 1.0
 
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(hypercorn.trio.serve, app, config)
+        with reporting_bind_errors(config.bind[0]):
+            binds: list[str] = await nursery.start(hypercorn.trio.serve, app, config)
         bound = int(binds[0].rsplit(":", 1)[1])
         log.info("serving health and metrics on %s", binds[0])
         task_status.started(bound)
