@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -442,6 +444,86 @@ async def test_bulk_discard_needs_its_confirmation_which_gives_the_count(
         assert "1+job%28s%29+discarded" in r.headers["location"]
         # One job's own Discard button stays one click.
         assert (await client.get("/confirm/discard-matching")).text.count("Discard 0") == 1
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _read(path: Path) -> str:
+    return path.read_text()
+
+
+async def _dashboard_process(dsn: str, out: Path, env: dict[str, str],
+                             *flags: str) -> tuple[trio.Process, str]:
+    """`nasiko-queue dashboard` on a free port; the process and what it printed first."""
+    with out.open("wb") as sink:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nasiko_queue", "dashboard", "--dsn", dsn,
+             "--bind", "127.0.0.1:0", *flags],
+            cwd=REPO, stdin=subprocess.DEVNULL,
+            stdout=sink, stderr=sink, env={**os.environ, **env})
+    with trio.move_on_after(TEST_DEADLINE):
+        while "dashboard on http://" not in _read(out):
+            assert proc.returncode is None, _read(out)
+            await trio.sleep(0.05)
+        await trio.sleep(0.2)  # the login line follows the first at once
+        return proc, _read(out)
+    proc.kill()
+    pytest.fail(f"the dashboard did not start: {_read(out)}")
+
+
+async def _stop(proc: trio.Process) -> None:
+    proc.terminate()
+    with trio.move_on_after(10):
+        await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+
+
+async def test_the_dashboard_command_prints_a_one_time_login_url(
+    dsn: str, tmp_path: Path,
+) -> None:
+    env = {"NASIKO_QUEUE_DASHBOARD_TOKEN": ""}
+    proc, printed = await _dashboard_process(dsn, tmp_path / "out.log", env)
+    try:
+        url = printed.split("log in at ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        assert "/login?token=" in url
+        token = url.split("token=", 1)[1]
+        assert len(token) >= 32
+        assert printed.count(token) == 1  # shown once, nowhere else
+        cmdline = _read(Path(f"/proc/{proc.pid}/cmdline"))
+        assert token not in cmdline  # not in `ps`
+        base = url.split("/login", 1)[0]
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            assert "/logout" not in (await client.get("/")).text
+            r = await client.get(url)
+            assert r.status_code == 303
+            assert r.headers["location"] == "/"  # the token gone from the address bar
+            cookie = r.headers["set-cookie"].lower()
+            assert "httponly" in cookie
+            assert "samesite=strict" in cookie
+            assert "secure" not in cookie  # plain http here
+            assert "/logout" in (await client.get("/")).text
+    finally:
+        await _stop(proc)
+    # A token from the environment: no URL, the token printed nowhere.
+    chosen = "chosen-token-5678"
+    proc, printed = await _dashboard_process(
+        dsn, tmp_path / "out2.log", {"NASIKO_QUEUE_DASHBOARD_TOKEN": chosen})
+    try:
+        assert "log in at" not in printed
+        assert chosen not in printed
+        base = printed.split("dashboard on ", 1)[1].split()[0].rstrip("/")
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            r = await client.get(f"/login?token={chosen}")
+            assert r.status_code == 303
+            # The Host check on the real server: another name for the same address.
+            r = await client.get("/", headers={"Host": "rebound.example:80"})
+            assert r.status_code == 421
+    finally:
+        await _stop(proc)
+    assert chosen not in _read(tmp_path / "out2.log")
 
 
 # -- in a browser -----------------------------------------------------------------

@@ -23,6 +23,7 @@ from .. import __version__
 from ..admin.retention import parse_duration
 from ..config import QueueConfig
 from ..errors import NasikoQueueError
+from ..web.bind import DASHBOARD_TOKEN_ENV as DASHBOARD_TOKEN_ENV  # re-exported
 
 log = logging.getLogger("nasiko_queue.cli")
 
@@ -32,7 +33,6 @@ T = TypeVar("T")
 #: are visible to every user of the machine in `ps`.
 MASTER_KEY_ENV = "NASIKO_QUEUE_MASTER_KEY"
 #: The dashboard's login token (`dashboard --token`, `worker --http --dashboard`).
-DASHBOARD_TOKEN_ENV = "NASIKO_QUEUE_DASHBOARD_TOKEN"  # noqa: S105 (a variable's name)
 
 #: Exit code of a worker stopped by a second signal (128 + SIGINT, as shells report
 #: Ctrl-C), so that scripts can tell a hard stop from a clean one.
