@@ -532,7 +532,8 @@ async def test_the_dashboard_command_prints_a_one_time_login_url(
 class _Browser:
     """Playwright's sync API, every call on one thread of its own."""
 
-    def __init__(self, shots: Path) -> None:
+    def __init__(self, shots: Path, args: tuple[str, ...] = ()) -> None:
+        self.args = list(args)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playwright")
         self.shots = shots
         self.dialogs: list[str] = []
@@ -548,7 +549,8 @@ class _Browser:
         # policy is set: per thread, so this thread gets plain asyncio.
         asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
         self._pw = sync_playwright().start()
-        self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                                 args=self.args)
         page = self._browser.new_page(viewport={"width": 1200, "height": 800})
         page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
         page.set_default_timeout(20_000)
@@ -712,3 +714,111 @@ async def test_browser_pause_stops_claims_and_resume_runs_them(
             await worker.wait_for(lambda s: s.done >= 2)
     assert await _state(work_queue, job_id) == "completed"
     assert behaviour.runs == 2
+
+
+@needs_chromium
+async def test_browser_login_url_host_check_and_page_bound(
+    work_queue: Queue, shots: Path,
+) -> None:
+    from playwright.sync_api import expect
+
+    await work_queue.enqueue_many([Work(note=str(i)) for i in range(MAX_PAGE + 20)])
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config)
+    # A DNS-rebinding attacker's name that resolves to the dashboard's address.
+    browser = _Browser(shots, args=("--host-resolver-rules=MAP rebound.test 127.0.0.1",))
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+            port = base.rsplit(":", 1)[1]
+
+            def flow() -> None:
+                page.goto(base + "/")
+                expect(page.locator("header .session")).to_contain_text("Log in for actions")
+                # The login URL logs in and drops the token from the address bar.
+                page.goto(f"{base}/login?token={TOKEN}")
+                page.wait_for_url(base + "/")
+                assert TOKEN not in page.url
+                expect(page.locator("header button:text('Log out')")).to_be_visible()
+                cookie, = (c for c in page.context.cookies() if c["name"] == "nq_session")
+                assert cookie["httpOnly"]
+                assert cookie["sameSite"] == "Strict"
+                assert not cookie["secure"]  # plain http here
+                # Whatever ?limit= asks, a page shows at most MAX_PAGE rows.
+                page.goto(base + "/jobs?state=any&limit=100000000")
+                expect(page.locator("tr[data-job]")).to_have_count(MAX_PAGE)
+                expect(page.locator("p.capped")).to_contain_text(
+                    f"A page shows at most {MAX_PAGE} jobs")
+                page.click("a[rel=next]")
+                expect(page.locator("tr[data-job]")).to_have_count(20)
+                # The same server under another name: refused.
+                response = page.goto(f"http://rebound.test:{port}/jobs?state=any")
+                assert response is not None
+                assert response.status == 421
+                expect(page.locator("body")).to_contain_text("misdirected request")
+                browser.shot(page, "host-refused")
+
+            await browser.do(flow)
+
+
+@needs_chromium
+async def test_browser_failed_logins_are_throttled(work_queue: Queue, shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    clock = FakeClock()
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config,
+                        throttle=LoginThrottle(max_failures=3, window=60, clock=clock))
+    browser = _Browser(shots)
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+
+            def guesses() -> None:
+                page.goto(base + "/login")
+                for _ in range(3):
+                    page.fill("input[name=token]", "a guess")
+                    page.click("button:text('Log in')")
+                    expect(page.locator("p.flash.bad")).to_have_text("wrong token")
+                page.fill("input[name=token]", TOKEN)  # right, but too late
+                page.click("button:text('Log in')")
+                expect(page.locator("body")).to_contain_text(
+                    "too many failed logins from this address (3 in 60 s): try again in 60 s")
+                browser.shot(page, "login-throttled")
+
+            await browser.do(guesses)
+            clock.now += 61
+            await browser.do(_login_in, page, base)
+
+
+@needs_chromium
+async def test_browser_confirm_then_discard(work_queue: Queue, shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    ids = await _dead_jobs(work_queue, 3)
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config)
+    browser = _Browser(shots)
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+
+            def selected_then_cancelled() -> None:
+                _login_in(page, base)
+                page.goto(base + "/jobs?state=discarded")
+                for job_id in ids[:2]:
+                    page.check(f"tr[data-job='{job_id}'] input[type=checkbox]")
+                page.click("button:text('Discard selected…')")
+                expect(page.locator("h1")).to_have_text("Discard 2 selected job(s)?")
+                page.click("form.confirm a:text('Cancel')")
+                expect(page.locator("tr[data-job]")).to_have_count(3)
+
+            await browser.do(selected_then_cancelled)
+            assert [await _state(work_queue, i) for i in ids] == ["discarded"] * 3
+
+            def discard_all() -> None:
+                page.click("button:text('Discard all…')")
+                expect(page.locator("h1")).to_have_text("Discard 3 dead job(s)?")
+                expect(page.locator(".confirm-count")).to_contain_text("deletes 3 dead job(s)")
+                browser.shot(page, "confirm-discard")
+                page.click("button:text('Discard 3')")
+                expect(page.locator("p.flash.ok")).to_have_text("3 job(s) discarded")
+                expect(page.locator("tr[data-job]")).to_have_count(0)
+
+            await browser.do(discard_all)
+    assert await work_queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs WHERE id = ANY($1::uuid[])", ids) == 0
