@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -29,7 +31,8 @@ from hypercorn.trio import serve
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Secret
 from nasiko_queue.admin.jobs import JobRefused, pause_queue, paused_queues, resume_queue
-from nasiko_queue.web.dashboard import dashboard_app
+from nasiko_queue.web.auth import HostCheck, LoginThrottle, Sessions
+from nasiko_queue.web.dashboard import MAX_PAGE, dashboard_app
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE, running
@@ -85,9 +88,21 @@ async def _client(app: Any) -> httpx.AsyncClient:
                              follow_redirects=False)
 
 
+def _field(page: str, name: str) -> str:
+    marker = f'name="{name}" value="'
+    assert marker in page, name
+    return page.split(marker, 1)[1].split('"', 1)[0]
+
+
+async def _login_csrf(client: httpx.AsyncClient) -> str:
+    """The login form's own CSRF value (its cookie is kept by the client)."""
+    return _field((await client.get("/login")).text, "login_csrf")
+
+
 async def _login(client: httpx.AsyncClient) -> str:
     """Log in; returns the session's CSRF token (read off a page, as a browser would)."""
-    r = await client.post("/login", data={"token": TOKEN, "next": "/"})
+    r = await client.post("/login", data={"token": TOKEN, "next": "/",
+                                          "login_csrf": await _login_csrf(client)})
     assert r.status_code == 303
     assert "httponly" in r.headers["set-cookie"].lower()
     assert "samesite=strict" in r.headers["set-cookie"].lower()
@@ -226,13 +241,299 @@ async def test_a_paused_queue_is_not_claimed_and_its_running_jobs_still_finish(
     assert await _state(work_queue, second) == "completed"
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _dead_jobs(work_queue: Queue, n: int, queue_name: str = "work") -> list[Any]:
+    behaviour = Behaviour()
+    ids = [await work_queue.enqueue(Work(note=f"dead {i}"),
+                                    options=JobOptions(queue=queue_name, max_attempts=1))
+           for i in range(n)]
+    async with running(work_queue, behaviour.executors()) as worker:
+        await worker.wait_for(lambda s: s.failed >= n)
+    return ids
+
+
+async def test_sessions_expire_idle_and_absolute_and_their_store_is_bounded(
+    work_queue: Queue,
+) -> None:
+    clock = FakeClock()
+    sessions = Sessions(idle=60, lifetime=300, max_sessions=2, clock=clock)
+    app = dashboard_app(work_queue.db, token=TOKEN, sessions=sessions)
+
+    async def logged_in(client: httpx.AsyncClient) -> bool:
+        return "/logout" in (await client.get("/")).text
+
+    async with await _client(app) as client:
+        await _login(client)
+        assert await logged_in(client)
+        # Idle: used every 50 s it lives on...
+        for _ in range(4):
+            clock.now += 50
+            assert await logged_in(client)
+        # ...until 300 s after the login, however busy (absolute).
+        clock.now += 100
+        assert not await logged_in(client)
+        await _login(client)
+        clock.now += 61  # idle for longer than 60 s
+        assert not await logged_in(client)
+        assert len(sessions) == 0
+    # At most 2 sessions: a third login evicts the least recently used.
+    clients = [await _client(app) for _ in range(3)]
+    try:
+        for c in clients[:2]:
+            await _login(c)
+        assert await logged_in(clients[0])  # now the second is the least recent
+        await _login(clients[2])
+        assert len(sessions) == 2
+        assert [await logged_in(c) for c in clients] == [True, False, True]
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_the_login_form_has_its_own_csrf_token(work_queue: Queue) -> None:
+    app = dashboard_app(work_queue.db, token=TOKEN)
+    async with await _client(app) as client, await _client(app) as other:
+        # The right token without the form's CSRF value (a forged cross-site form,
+        # "login CSRF"), or with another browser's value: refused, no session.
+        for data in ({"token": TOKEN}, {"token": TOKEN, "login_csrf": "forged"},
+                     {"token": TOKEN, "login_csrf": await _login_csrf(other)}):
+            r = await client.post("/login", data=data)
+            assert r.status_code == 403, data
+            assert "nq_session" not in r.headers.get("set-cookie", "")
+            assert "the login form expired" in r.text
+        r = await client.get("/login")
+        assert "samesite=strict" in r.headers["set-cookie"].lower()
+        assert "httponly" in r.headers["set-cookie"].lower()
+        await _login(client)
+
+
+async def test_failed_logins_are_throttled_per_address(work_queue: Queue) -> None:
+    clock = FakeClock()
+    throttle = LoginThrottle(max_failures=3, window=60, clock=clock)
+    app = dashboard_app(work_queue.db, token=TOKEN, throttle=throttle)
+    async with await _client(app) as client:
+        for _ in range(3):
+            r = await client.post("/login", data={"token": "guess",
+                                                  "login_csrf": await _login_csrf(client)})
+            assert r.status_code == 403
+        # Throttled: the right token too, the login URL and the Bearer header.
+        r = await client.post("/login", data={"token": TOKEN,
+                                              "login_csrf": await _login_csrf(client)})
+        assert r.status_code == 429
+        assert "too many failed logins" in r.text
+        assert int(r.headers["retry-after"]) == 61
+        assert (await client.get(f"/login?token={TOKEN}")).status_code == 429
+        r = await client.post("/actions/pause", data={"queue": "work"},
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 429
+        assert await paused_queues(work_queue.db) == {}
+        # Another address is not throttled.
+        other = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, client=("10.0.0.2", 1234)),
+            base_url="http://test")
+        async with other:
+            await _login(other)
+        # Once the window is over, the right token logs in.
+        clock.now += 61
+        await _login(client)
+    # Wrong Bearer tokens count as failed logins too.
+    clock.now += 61
+    async with await _client(app) as client:
+        for expected in (401, 401, 401, 429):
+            r = await client.post("/actions/pause", data={"queue": "work"},
+                                  headers={"Authorization": "Bearer guess"})
+            assert r.status_code == expected
+
+
+async def test_a_host_that_is_not_the_bound_address_is_refused(work_queue: Queue) -> None:
+    app = dashboard_app(work_queue.db, token=TOKEN, allowed_hosts=["queue.example.com"])
+    async with await _client(app) as client:
+        assert (await client.get("/")).status_code == 200  # Host: test, as it arrived
+        for host in ("evil.example", "evil.example:80", "test:8080", "queue.example.com.evil",
+                     "", "[::1"):
+            r = await client.get("/", headers={"Host": host})
+            assert r.status_code == 421, host
+            assert "misdirected request" in r.text
+            assert r.headers["content-type"].startswith("text/plain")
+        for host in ("queue.example.com", "QUEUE.example.com:8443"):
+            assert (await client.get("/", headers={"Host": host})).status_code == 200
+        r = await client.post("/login", headers={"Host": "evil.example"},
+                              data={"token": TOKEN})
+        assert r.status_code == 421
+
+
+def _asgi_scope(host: str, server: tuple[str, int | None]) -> dict[str, Any]:
+    return {"type": "http", "scheme": "http", "server": server,
+            "headers": [(b"host", host.encode())]}
+
+
+def test_host_check_on_loopback_ipv6_and_configured_ports() -> None:
+    check = HostCheck(app=None, allowed=("proxy.example:8443",))  # type: ignore[arg-type]
+    ok = [("127.0.0.1:9182", ("127.0.0.1", 9182)), ("localhost:9182", ("127.0.0.1", 9182)),
+          ("[::1]:9182", ("::1", 9182)), ("localhost:9182", ("::1", 9182)),
+          ("10.1.2.3:9182", ("10.1.2.3", 9182)), ("proxy.example:8443", ("10.1.2.3", 9182))]
+    bad = [("localhost:9182", ("10.1.2.3", 9182)), ("127.0.0.1:9183", ("127.0.0.1", 9182)),
+           ("proxy.example", ("10.1.2.3", 9182)), ("attacker.test:9182", ("127.0.0.1", 9182))]
+    for host, server in ok:
+        assert check.ok(_asgi_scope(host, server)), (host, server)
+    for host, server in bad:
+        assert not check.ok(_asgi_scope(host, server)), (host, server)
+    with pytest.raises(ValueError, match="not a host name"):
+        HostCheck(app=None, allowed=("bad host:x",))  # type: ignore[arg-type]
+
+
+async def test_a_listing_page_is_bounded(work_queue: Queue) -> None:
+    await work_queue.enqueue_many([Work(note=str(i)) for i in range(MAX_PAGE + 20)])
+    app = dashboard_app(work_queue.db, token=TOKEN)
+    async with await _client(app) as client:
+        r = await client.get("/jobs?state=any&limit=100000000")
+        assert r.status_code == 200
+        assert r.text.count("<tr data-job=") == MAX_PAGE
+        assert f"A page shows at most {MAX_PAGE} jobs" in r.text
+        nxt = r.text.split('rel="next" href="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
+        r = await client.get(nxt)
+        assert r.text.count("<tr data-job=") == 20
+        r = await client.get("/jobs?state=any&limit=7")
+        assert r.text.count("<tr data-job=") == 7
+        assert "A page shows at most" not in r.text
+        for bad in ("0", "-1", "abc", "1e9", "9" * 40):
+            assert (await client.get(f"/jobs?state=any&limit={bad}")).status_code == 400, bad
+        r = await client.get("/jobs?" + str(httpx.QueryParams({"queue": "q" * 201})))
+        assert r.status_code == 400
+
+
+async def test_bulk_discard_needs_its_confirmation_which_gives_the_count(
+    work_queue: Queue,
+) -> None:
+    ids = await _dead_jobs(work_queue, 3)
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config)
+    async with await _client(app) as client:
+        csrf = await _login(client)
+        page = (await client.get("/jobs?state=discarded")).text
+        assert "/actions/discard-matching" not in page  # no one-click "Discard all"
+        assert 'action="/confirm/discard-matching"' in page
+        # Without the confirmation field: refused, nothing deleted.
+        r = await client.post("/actions/discard-matching", data={"csrf": csrf})
+        assert r.status_code == 400
+        assert "needs its confirmation" in r.text
+        r = await client.post("/actions/discard",
+                              data={"csrf": csrf, "id": [str(i) for i in ids[:2]]})
+        assert r.status_code == 400
+        assert [await _state(work_queue, i) for i in ids] == ["discarded"] * 3
+        # The confirmation pages say how many.
+        r = await client.get("/confirm/discard-matching?queue=work")
+        assert "Discard 3 dead job(s) of queue work?" in r.text
+        assert _field(r.text, "confirm") == "yes"
+        r = await client.post("/confirm/discard",
+                              data={"csrf": csrf, "id": [str(i) for i in ids[:2]]})
+        assert "Discard 2 selected job(s)?" in r.text
+        # Confirmed: done.
+        r = await client.post("/actions/discard", data={
+            "csrf": csrf, "id": [str(i) for i in ids[:2]], "confirm": "yes"})
+        assert r.status_code == 303
+        assert "2+job%28s%29+discarded" in r.headers["location"]
+        r = await client.post("/actions/discard-matching",
+                              data={"csrf": csrf, "queue": "work", "confirm": "yes"})
+        assert "1+job%28s%29+discarded" in r.headers["location"]
+        # One job's own Discard button stays one click.
+        assert (await client.get("/confirm/discard-matching")).text.count("Discard 0") == 1
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _read(path: Path) -> str:
+    return path.read_text()
+
+
+async def _dashboard_process(dsn: str, out: Path, env: dict[str, str],
+                             *flags: str) -> tuple[trio.Process, str]:
+    """`nasiko-queue dashboard` on a free port; the process and what it printed first."""
+    with out.open("wb") as sink:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nasiko_queue", "dashboard", "--dsn", dsn,
+             "--bind", "127.0.0.1:0", *flags],
+            cwd=REPO, stdin=subprocess.DEVNULL,
+            stdout=sink, stderr=sink, env={**os.environ, **env})
+    with trio.move_on_after(TEST_DEADLINE):
+        while "dashboard on http://" not in _read(out):
+            assert proc.returncode is None, _read(out)
+            await trio.sleep(0.05)
+        await trio.sleep(0.2)  # the login line follows the first at once
+        return proc, _read(out)
+    proc.kill()
+    pytest.fail(f"the dashboard did not start: {_read(out)}")
+
+
+async def _stop(proc: trio.Process) -> None:
+    proc.terminate()
+    with trio.move_on_after(10):
+        await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+
+
+async def test_the_dashboard_command_prints_a_one_time_login_url(
+    dsn: str, tmp_path: Path,
+) -> None:
+    env = {"NASIKO_QUEUE_DASHBOARD_TOKEN": ""}
+    proc, printed = await _dashboard_process(dsn, tmp_path / "out.log", env)
+    try:
+        url = printed.split("log in at ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        assert "/login?token=" in url
+        token = url.split("token=", 1)[1]
+        assert len(token) >= 32
+        assert printed.count(token) == 1  # shown once, nowhere else
+        cmdline = _read(Path(f"/proc/{proc.pid}/cmdline"))
+        assert token not in cmdline  # not in `ps`
+        base = url.split("/login", 1)[0]
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            assert "/logout" not in (await client.get("/")).text
+            r = await client.get(url)
+            assert r.status_code == 303
+            assert r.headers["location"] == "/"  # the token gone from the address bar
+            cookie = r.headers["set-cookie"].lower()
+            assert "httponly" in cookie
+            assert "samesite=strict" in cookie
+            assert "secure" not in cookie  # plain http here
+            assert "/logout" in (await client.get("/")).text
+    finally:
+        await _stop(proc)
+    # A token from the environment: no URL, the token printed nowhere.
+    chosen = "chosen-token-5678"
+    proc, printed = await _dashboard_process(
+        dsn, tmp_path / "out2.log", {"NASIKO_QUEUE_DASHBOARD_TOKEN": chosen})
+    try:
+        assert "log in at" not in printed
+        assert chosen not in printed
+        base = printed.split("dashboard on ", 1)[1].split()[0].rstrip("/")
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            r = await client.get(f"/login?token={chosen}")
+            assert r.status_code == 303
+            # The Host check on the real server: another name for the same address.
+            r = await client.get("/", headers={"Host": "rebound.example:80"})
+            assert r.status_code == 421
+    finally:
+        await _stop(proc)
+    assert chosen not in _read(tmp_path / "out2.log")
+
+
 # -- in a browser -----------------------------------------------------------------
 
 
 class _Browser:
     """Playwright's sync API, every call on one thread of its own."""
 
-    def __init__(self, shots: Path) -> None:
+    def __init__(self, shots: Path, args: tuple[str, ...] = ()) -> None:
+        self.args = list(args)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="playwright")
         self.shots = shots
         self.dialogs: list[str] = []
@@ -248,7 +549,8 @@ class _Browser:
         # policy is set: per thread, so this thread gets plain asyncio.
         asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
         self._pw = sync_playwright().start()
-        self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                                 args=self.args)
         page = self._browser.new_page(viewport={"width": 1200, "height": 800})
         page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
         page.set_default_timeout(20_000)
@@ -412,3 +714,111 @@ async def test_browser_pause_stops_claims_and_resume_runs_them(
             await worker.wait_for(lambda s: s.done >= 2)
     assert await _state(work_queue, job_id) == "completed"
     assert behaviour.runs == 2
+
+
+@needs_chromium
+async def test_browser_login_url_host_check_and_page_bound(
+    work_queue: Queue, shots: Path,
+) -> None:
+    from playwright.sync_api import expect
+
+    await work_queue.enqueue_many([Work(note=str(i)) for i in range(MAX_PAGE + 20)])
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config)
+    # A DNS-rebinding attacker's name that resolves to the dashboard's address.
+    browser = _Browser(shots, args=("--host-resolver-rules=MAP rebound.test 127.0.0.1",))
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+            port = base.rsplit(":", 1)[1]
+
+            def flow() -> None:
+                page.goto(base + "/")
+                expect(page.locator("header .session")).to_contain_text("Log in for actions")
+                # The login URL logs in and drops the token from the address bar.
+                page.goto(f"{base}/login?token={TOKEN}")
+                page.wait_for_url(base + "/")
+                assert TOKEN not in page.url
+                expect(page.locator("header button:text('Log out')")).to_be_visible()
+                cookie, = (c for c in page.context.cookies() if c["name"] == "nq_session")
+                assert cookie["httpOnly"]
+                assert cookie["sameSite"] == "Strict"
+                assert not cookie["secure"]  # plain http here
+                # Whatever ?limit= asks, a page shows at most MAX_PAGE rows.
+                page.goto(base + "/jobs?state=any&limit=100000000")
+                expect(page.locator("tr[data-job]")).to_have_count(MAX_PAGE)
+                expect(page.locator("p.capped")).to_contain_text(
+                    f"A page shows at most {MAX_PAGE} jobs")
+                page.click("a[rel=next]")
+                expect(page.locator("tr[data-job]")).to_have_count(20)
+                # The same server under another name: refused.
+                response = page.goto(f"http://rebound.test:{port}/jobs?state=any")
+                assert response is not None
+                assert response.status == 421
+                expect(page.locator("body")).to_contain_text("misdirected request")
+                browser.shot(page, "host-refused")
+
+            await browser.do(flow)
+
+
+@needs_chromium
+async def test_browser_failed_logins_are_throttled(work_queue: Queue, shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    clock = FakeClock()
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config,
+                        throttle=LoginThrottle(max_failures=3, window=60, clock=clock))
+    browser = _Browser(shots)
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+
+            def guesses() -> None:
+                page.goto(base + "/login")
+                for _ in range(3):
+                    page.fill("input[name=token]", "a guess")
+                    page.click("button:text('Log in')")
+                    expect(page.locator("p.flash.bad")).to_have_text("wrong token")
+                page.fill("input[name=token]", TOKEN)  # right, but too late
+                page.click("button:text('Log in')")
+                expect(page.locator("body")).to_contain_text(
+                    "too many failed logins from this address (3 in 60 s): try again in 60 s")
+                browser.shot(page, "login-throttled")
+
+            await browser.do(guesses)
+            clock.now += 61
+            await browser.do(_login_in, page, base)
+
+
+@needs_chromium
+async def test_browser_confirm_then_discard(work_queue: Queue, shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    ids = await _dead_jobs(work_queue, 3)
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config)
+    browser = _Browser(shots)
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+
+            def selected_then_cancelled() -> None:
+                _login_in(page, base)
+                page.goto(base + "/jobs?state=discarded")
+                for job_id in ids[:2]:
+                    page.check(f"tr[data-job='{job_id}'] input[type=checkbox]")
+                page.click("button:text('Discard selected…')")
+                expect(page.locator("h1")).to_have_text("Discard 2 selected job(s)?")
+                page.click("form.confirm a:text('Cancel')")
+                expect(page.locator("tr[data-job]")).to_have_count(3)
+
+            await browser.do(selected_then_cancelled)
+            assert [await _state(work_queue, i) for i in ids] == ["discarded"] * 3
+
+            def discard_all() -> None:
+                page.click("button:text('Discard all…')")
+                expect(page.locator("h1")).to_have_text("Discard 3 dead job(s)?")
+                expect(page.locator(".confirm-count")).to_contain_text("deletes 3 dead job(s)")
+                browser.shot(page, "confirm-discard")
+                page.click("button:text('Discard 3')")
+                expect(page.locator("p.flash.ok")).to_have_text("3 job(s) discarded")
+                expect(page.locator("tr[data-job]")).to_have_count(0)
+
+            await browser.do(discard_all)
+    assert await work_queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs WHERE id = ANY($1::uuid[])", ids) == 0

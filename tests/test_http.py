@@ -464,12 +464,19 @@ async def test_worker_process_serves_health_and_metrics(
             assert 'nasiko_queue_jobs{kind="Upload",queue="builds",state="done"} 1.0' in text
             assert await queue.db.fetchval(
                 "SELECT status FROM build_jobs WHERE id = $1", job.job_id) == "done"
-            # The dashboard on the same port (no token set: read-only).
+            # The dashboard on the same port; no token set: one made for the run,
+            # its login URL printed once.
             page = await client.get("/")
             assert page.status_code == 200
             assert "builds" in page.text
             assert (await client.post("/login", data={"token": "x"})).status_code in (
                 401, 403)
+            printed = worker_log.read_text()  # noqa: ASYNC240 (a small local file)
+            url = printed.split("log in at ", 1)[1].split()[0]
+            assert url.startswith(f"http://127.0.0.1:{port}/login?token=")
+            r = await client.get(url)
+            assert r.status_code == 303
+            assert "/logout" in (await client.get("/")).text
     finally:
         proc.terminate()
         with trio.move_on_after(20):

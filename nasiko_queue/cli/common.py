@@ -24,6 +24,7 @@ from ..admin.retention import parse_duration
 from ..config import QueueConfig
 from ..engine.signals import EXIT_HARD_STOP as EXIT_HARD_STOP
 from ..errors import NasikoQueueError
+from ..web.bind import DASHBOARD_TOKEN_ENV as DASHBOARD_TOKEN_ENV  # re-exported
 
 log = logging.getLogger("nasiko_queue.cli")
 
@@ -33,7 +34,6 @@ T = TypeVar("T")
 #: are visible to every user of the machine in `ps`.
 MASTER_KEY_ENV = "NASIKO_QUEUE_MASTER_KEY"
 #: The dashboard's login token (`dashboard --token`, `worker --http --dashboard`).
-DASHBOARD_TOKEN_ENV = "NASIKO_QUEUE_DASHBOARD_TOKEN"  # noqa: S105 (a variable's name)
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

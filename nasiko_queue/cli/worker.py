@@ -168,7 +168,8 @@ async def _check_schema_when_up(
 
 async def _work(dsn: str, executors: Executors, config: QueueConfig,
                 secrets: SecretBox | None, schedules: Sequence[Schedule] = (),
-                http: tuple[str, int] | None = None, with_dashboard: bool = False) -> int:
+                http: tuple[str, int] | None = None, with_dashboard: bool = False,
+                allowed_hosts: Sequence[str] = ()) -> int:
     shutdown = _Shutdown()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_database(dsn) as db:
@@ -183,19 +184,35 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
                     from ..web.server import HttpService
 
                     dashboard = None
+                    token = os.environ.get(DASHBOARD_TOKEN_ENV) or None
+                    generated = with_dashboard and token is None
                     if with_dashboard:
+                        from ..web.bind import new_token
                         from ..web.dashboard import dashboard_app
 
-                        token = os.environ.get(DASHBOARD_TOKEN_ENV) or None
-                        dashboard = dashboard_app(db, token=token, read_only=token is None,
-                                                  config=config, schedules=schedules)
+                        token = token or new_token()
+                        dashboard = dashboard_app(db, token=token, config=config,
+                                                  schedules=schedules,
+                                                  allowed_hosts=allowed_hosts)
                     service = HttpService(queue, worker, host=http[0], port=http[1],
                                           dashboard=dashboard)
                     await nursery.start(service.run)
+                    if generated and token:
+                        from ..web.bind import login_message, login_url
+
+                        click.echo(login_message(login_url(service.host, service.port,
+                                                           token)), err=True)
                 if await _check_schema_when_up(db, dsn, config, shutdown):
                     await worker.run()
                 nursery.cancel_scope.cancel()
     return EXIT_HARD_STOP if shutdown.hard else 0
+
+
+allowed_host_option = click.option(
+    "--allowed-host", "allowed_hosts", multiple=True, metavar="NAME[:PORT]",
+    help="A name the dashboard answers to besides the address it listens on (a reverse "
+         "proxy's, e.g. queue.example.com); repeatable. Any other Host header is refused "
+         "(421): DNS rebinding.")
 
 
 def _parse_http(_ctx: click.Context, _param: click.Parameter,
@@ -283,7 +300,9 @@ def _parse_http(_ctx: click.Context, _param: click.Parameter,
                    "127.0.0.1:9181. Needs the [http] extra. Default: off.")
 @click.option("--dashboard", "with_dashboard", is_flag=True,
               help="With --http: serve the dashboard there too (actions need "
-                   "NASIKO_QUEUE_DASHBOARD_TOKEN; without it, read-only).")
+                   "NASIKO_QUEUE_DASHBOARD_TOKEN; without it, a token is made for the run "
+                   "and a login URL printed).")
+@allowed_host_option
 @_log_level_option("INFO")
 def worker_command(
     dsn: str | None,
@@ -306,6 +325,7 @@ def worker_command(
     job_timeout: float | None,
     http: tuple[str, int] | None,
     with_dashboard: bool,
+    allowed_hosts: tuple[str, ...],
     log_level: str,
 ) -> None:
     """
@@ -358,7 +378,7 @@ def worker_command(
     # `http` only when given: without it, `_work` is called exactly as before.
     extra: tuple[object, ...] = ()
     if http is not None:
-        extra = (http, with_dashboard)
+        extra = (http, with_dashboard, allowed_hosts)
     sys.exit(_run(dsn, _work, dsn, executors, config, secrets, schedules, *extra))
 
 

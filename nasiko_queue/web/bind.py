@@ -1,11 +1,13 @@
 """
 Where the HTTP service listens: `--http HOST:PORT`, parsed without the [http] extra
-(the CLI refuses a bad value before it imports anything of it).
+(the CLI refuses a bad value before it imports anything of it); and the
+dashboard's login URL printed at start-up.
 """
 
 from __future__ import annotations
 
 import errno
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,6 +15,8 @@ from ..errors import CannotListen
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9181
+#: Where the dashboard's token comes from (never the command line: `ps` shows that).
+DASHBOARD_TOKEN_ENV = "NASIKO_QUEUE_DASHBOARD_TOKEN"  # noqa: S105 (a variable's name)
 
 
 def parse_bind(spec: str) -> tuple[str, int]:
@@ -67,3 +71,29 @@ def reporting_bind_errors(where: str) -> Iterator[None]:
                 raise CannotListen(
                     f"cannot listen on {where}: {_BIND_ERRORS[leaf.errno]}") from None
         raise
+
+
+def new_token() -> str:
+    """A dashboard token for this run, when none is given (128+ random bits)."""
+    return secrets.token_urlsafe(24)
+
+
+def login_url(host: str, port: int, token: str) -> str:
+    """
+    The one-time login URL printed at start-up (as Jupyter does): opening it logs
+    the browser in, and the dashboard redirects to drop the token from the
+    address bar. A wildcard bind is reached on the loopback address.
+    """
+    if host in ("", "0.0.0.0"):  # noqa: S104 (reading a bind, not binding)
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/login?token={token}"
+
+
+def login_message(url: str) -> str:
+    """What the CLI prints (once, on stderr; the token is never logged) for `url`."""
+    return (f"log in at {url}\n"
+            f"  (a token made for this run, shown only here; set {DASHBOARD_TOKEN_ENV} "
+            "to choose your own)")

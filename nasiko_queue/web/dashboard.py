@@ -6,13 +6,21 @@ forms.
 
 Safety model:
 
+- a request whose `Host` is not the address it arrived on nor a name in
+  `allowed_hosts` is refused (421; DNS rebinding, see `.auth.HostCheck`);
 - every page is readable by whoever reaches the bind address (127.0.0.1 by
   default); payload secrets are masked (`admin.view.mask_payload`) before a
-  template sees them;
-- an action needs the token: a session from the login form (an HttpOnly,
-  SameSite=Strict cookie naming a random server-side session) or an
+  template sees them; a listing shows at most `MAX_PAGE` rows;
+- an action needs the token: a session from the login form or the login URL
+  (``/login?token=...``; an HttpOnly, SameSite=Strict cookie, Secure over https,
+  naming a random server-side session that expires, `.auth.Sessions`) or an
   ``Authorization: Bearer`` header, and, for a session, the session's CSRF token
-  in the form's hidden field;
+  in the form's hidden field. The login form has a CSRF token of its own (a
+  cookie and a hidden field that must match); failed logins are throttled per
+  client address (429, `.auth.LoginThrottle`);
+- discarding every dead job of a filter, or several selected jobs, takes a
+  confirmation page that says how many jobs it touches; the POST that does it
+  is refused without that page's `confirm` field;
 - `read_only` (and a dashboard started without a token) shows no actions and
   refuses every POST but the login.
 
@@ -21,7 +29,6 @@ Needs the [http] extra; importing it without raises an ImportError naming it.
 
 from __future__ import annotations
 
-import hmac
 import json
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,6 +41,7 @@ from uuid import UUID
 try:
     import jinja2
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.responses import PlainTextResponse, RedirectResponse, Response
     from starlette.routing import Mount, Route
@@ -54,17 +62,19 @@ from ..config import QueueConfig
 from ..db.database import Database
 from ..db.statements import Q
 from ..plain.schedules import Schedule
+from .auth import HostCheck, LoginThrottle, Session, Sessions, same_secret
 
 _HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "nq_session"
+#: The login form's CSRF cookie (its value is also the form's hidden field).
+LOGIN_COOKIE = "nq_login"
+#: The most rows a listing shows on one page, whatever `?limit=` asks.
+MAX_PAGE = 500
+#: The longest a listing's text filter (queue, kind) may be.
+MAX_FILTER_CHARS = 200
 #: Throughput chart: 12 bars of 5 minutes.
 BUCKETS = 12
 _Handler = Callable[[Request], Awaitable[Response]]
-
-
-@attrs.define
-class _Session:
-    csrf: str
 
 
 @attrs.define
@@ -75,22 +85,24 @@ class _Dashboard:
     config: QueueConfig
     schedules: Sequence[Schedule]
     templates: Jinja2Templates
-    sessions: dict[str, _Session] = attrs.Factory(dict)
+    sessions: Sessions
+    throttle: LoginThrottle
 
     @property
     def actions(self) -> bool:
         """Whether actions exist at all (a token is set and not read-only)."""
         return not self.read_only and self.token is not None
 
-    def session(self, request: Request) -> _Session | None:
-        sid = request.cookies.get(SESSION_COOKIE)
-        return self.sessions.get(sid) if sid else None
+    def session(self, request: Request) -> Session | None:
+        return self.sessions.get(request.cookies.get(SESSION_COOKIE))
 
-    def header_token_ok(self, request: Request) -> bool:
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        return (self.token is not None and scheme.lower() == "bearer"
-                and hmac.compare_digest(value.encode(), self.token.encode()))
+    def token_ok(self, given: str) -> bool:
+        return self.token is not None and same_secret(given, self.token)
+
+    def bearer(self, request: Request) -> str | None:
+        """The ``Authorization: Bearer`` token, if the request sends one."""
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else None
 
     def render(self, request: Request, name: str, status: int = 200,
                **context: Any) -> Response:
@@ -112,6 +124,16 @@ class _Dashboard:
         return response
 
 
+class Unconfirmed(ValueError):
+    """A destructive bulk action POSTed without its confirmation page's field."""
+
+
+def _confirmed(form: Any, what: str) -> None:
+    if form.get("confirm") != "yes":
+        raise Unconfirmed(f"{what} needs its confirmation (the form field confirm=yes, "
+                          "which the confirmation page sends, after showing the count)")
+
+
 def _back(form: Any, default: str = "/") -> str:
     """The page to go back to after an action: a local path only (no open redirect)."""
     target = str(form.get("next") or default)
@@ -125,9 +147,16 @@ def _redirect(target: str, **params: str) -> RedirectResponse:
     return RedirectResponse(target + (sep + urlencode(params) if params else ""), 303)
 
 
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
 def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                   config: QueueConfig | None = None,
-                  schedules: Sequence[Schedule] = ()) -> Starlette:
+                  schedules: Sequence[Schedule] = (),
+                  allowed_hosts: Sequence[str] = (),
+                  sessions: Sessions | None = None,
+                  throttle: LoginThrottle | None = None) -> Starlette:
     """
     The dashboard as an ASGI application on `db` (an open `Database`).
 
@@ -138,6 +167,11 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         config: whose `notify_channel` wakes workers after a retry or resume.
         schedules: the application's `Schedule` list, to show each one's cron
             expression and next run (without it, only their last ticks).
+        allowed_hosts: names (or name:port) the `Host` header may give besides
+            the address a request arrives on (a reverse proxy's name).
+        sessions: the session store (its timeouts and bound); the defaults of
+            `Sessions` if None.
+        throttle: failed-login throttle; the defaults of `LoginThrottle` if None.
     """
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(_HERE / "templates"),
@@ -146,7 +180,9 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
     env.filters["ts"] = _ts
     dash = _Dashboard(db=db, token=token, read_only=read_only,
                       config=config or QueueConfig(), schedules=tuple(schedules),
-                      templates=Jinja2Templates(env=env))
+                      templates=Jinja2Templates(env=env),
+                      sessions=Sessions() if sessions is None else sessions,
+                      throttle=LoginThrottle() if throttle is None else throttle)
 
     async def overview(request: Request) -> Response:
         status = await queue_status(db, stuck_job_mins=dash.config.stuck_job_mins)
@@ -171,10 +207,11 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         params = request.query_params
         state = params.get("state", "discarded")
         try:
-            where = JobFilter(queue=params.get("queue") or None,
-                              kind=params.get("kind") or None,
+            asked = page_limit(params.get("limit"))
+            where = JobFilter(queue=_text_filter(params, "queue"),
+                              kind=_text_filter(params, "kind"),
                               state=None if state == "any" else state or None,
-                              limit=int(params.get("limit", job_admin.DEFAULT_LIMIT)))
+                              limit=min(asked, MAX_PAGE))
             page = await job_admin.list_jobs(db, where, after=params.get("after") or None)
         except ValueError as exc:
             return dash.render(request, "error.html", status=400, message=str(exc))
@@ -184,7 +221,8 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                              "after": page[-1].cursor})
         return dash.render(request, "jobs.html", jobs=page, where=where,
                            state=state, next_query=nxt, states=job_admin.STATES,
-                           dead=where.state == "discarded")
+                           dead=where.state == "discarded",
+                           capped=MAX_PAGE if asked > MAX_PAGE else None)
 
     async def job(request: Request) -> Response:
         try:
@@ -224,30 +262,66 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         return dash.render(request, "schedules.html", schedules=items,
                            known=bool(dash.schedules))
 
-    async def login_form(request: Request) -> Response:
-        return dash.render(request, "login.html")
+    def throttled(request: Request) -> Response | None:
+        wait = dash.throttle.retry_after(_client(request))
+        if wait is None:
+            return None
+        return PlainTextResponse(dash.throttle.message(wait), 429,
+                                 headers={"Retry-After": str(int(wait) + 1)})
 
-    async def login(request: Request) -> Response:
-        form = await request.form()
-        given = str(form.get("token") or "")
-        if not dash.actions or dash.token is None:
-            return PlainTextResponse("this dashboard is read-only", 403)
-        if not hmac.compare_digest(given.encode(), dash.token.encode()):
-            return dash.render(request, "login.html", status=403,
-                               failed="wrong token")
-        sid = secrets.token_urlsafe(32)
-        dash.sessions[sid] = _Session(csrf=secrets.token_urlsafe(32))
-        response = _redirect(_back(form))
+    def logged_in(request: Request, target: str) -> Response:
+        sid, _session = dash.sessions.new()
+        response = _redirect(target)
         response.set_cookie(SESSION_COOKIE, sid, httponly=True, samesite="strict",
                             secure=request.url.scheme == "https", path="/")
+        response.delete_cookie(LOGIN_COOKIE, path="/login")
         return response
+
+    def form_page(request: Request, status: int = 200, **context: Any) -> Response:
+        """The login form, with a fresh CSRF value in its cookie and hidden field."""
+        value = secrets.token_urlsafe(32)
+        response = dash.render(request, "login.html", status=status, login_csrf=value,
+                               next=_back({"next": request.query_params.get("next")}),
+                               **context)
+        response.set_cookie(LOGIN_COOKIE, value, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https", path="/login")
+        return response
+
+    async def login_form(request: Request) -> Response:
+        given = request.query_params.get("token")
+        if given is None or not dash.actions:
+            return form_page(request)
+        # The login URL printed at start-up: log in, then drop the token from
+        # the address bar (and from history) with a redirect.
+        refused = throttled(request)
+        if refused is not None:
+            return refused
+        if not dash.token_ok(given):
+            dash.throttle.failed(_client(request))
+            return form_page(request, status=403, failed="wrong token")
+        return logged_in(request, _back({"next": request.query_params.get("next")}))
+
+    async def login(request: Request) -> Response:
+        if not dash.actions:
+            return PlainTextResponse("this dashboard is read-only", 403)
+        refused = throttled(request)
+        if refused is not None:
+            return refused
+        form = await request.form()
+        expected = request.cookies.get(LOGIN_COOKIE)
+        if not expected or not same_secret(str(form.get("login_csrf") or ""), expected):
+            return form_page(request, status=403,
+                             failed="the login form expired: log in again")
+        if not dash.token_ok(str(form.get("token") or "")):
+            dash.throttle.failed(_client(request))
+            return form_page(request, status=403, failed="wrong token")
+        return logged_in(request, _back(form))
 
     async def logout(request: Request) -> Response:
         form = await request.form()
         session = dash.session(request)
-        if session is not None and hmac.compare_digest(
-                str(form.get("csrf") or "").encode(), session.csrf.encode()):
-            dash.sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
+        if session is not None and same_secret(str(form.get("csrf") or ""), session.csrf):
+            dash.sessions.end(request.cookies.get(SESSION_COOKIE))
         response = _redirect("/")
         response.delete_cookie(SESSION_COOKIE, path="/")
         return response
@@ -258,16 +332,25 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
             if not dash.actions:
                 return PlainTextResponse("this dashboard is read-only", 403)
             form = await request.form()
-            if not dash.header_token_ok(request):
+            given = dash.bearer(request)
+            if given is not None:
+                refused = throttled(request)
+                if refused is not None:
+                    return refused
+                if not dash.token_ok(given):
+                    dash.throttle.failed(_client(request))
+                    return PlainTextResponse("wrong token in the Authorization header", 401)
+            else:
                 session = dash.session(request)
                 if session is None:
                     return PlainTextResponse("log in first (or send the token as an "
                                              "Authorization: Bearer header)", 401)
-                if not hmac.compare_digest(str(form.get("csrf") or "").encode(),
-                                           session.csrf.encode()):
+                if not same_secret(str(form.get("csrf") or ""), session.csrf):
                     return PlainTextResponse("CSRF check failed: reload the page", 403)
             try:
                 message = await fn(request, form)
+            except Unconfirmed as exc:
+                return PlainTextResponse(str(exc), 400)
             except (JobRefused, JobNotFound, ValueError) as exc:
                 return _redirect(_back(form), error=str(exc))
             return _redirect(_back(form), msg=message)
@@ -283,7 +366,10 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         return await _bulk(_ids(form), lambda i: job_admin.cancel(db, i), "cancelled")
 
     async def do_discard(_request: Request, form: Any) -> str:
-        return await _bulk(_ids(form), lambda i: job_admin.discard(db, i), "discarded")
+        ids = _ids(form)
+        if len(set(ids)) > 1:
+            _confirmed(form, "discarding several jobs")
+        return await _bulk(ids, lambda i: job_admin.discard(db, i), "discarded")
 
     def _matching(form: Any) -> JobFilter:
         return JobFilter(queue=str(form.get("queue") or "") or None,
@@ -294,6 +380,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         return _summary("retried", len(result.done), result.refused)
 
     async def do_discard_matching(_request: Request, form: Any) -> str:
+        _confirmed(form, "discarding every dead job of a filter")
         result = await job_admin.discard_matching(db, _matching(form))
         return _summary("discarded", len(result.done), result.refused)
 
@@ -307,6 +394,34 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         resumed = await job_admin.resume_queue(db, name, dash.config)
         return f"queue {name} resumed" if resumed else f"queue {name} was not paused"
 
+    async def confirm_discard_matching(request: Request) -> Response:
+        """What "Discard all" would delete, counted, and the button that does it."""
+        try:
+            where = JobFilter(queue=_text_filter(request.query_params, "queue"),
+                              kind=_text_filter(request.query_params, "kind"),
+                              state="discarded")
+        except ValueError as exc:
+            return dash.render(request, "error.html", status=400, message=str(exc))
+        count = await job_admin.count_matching(db, where)
+        return dash.render(
+            request, "confirm.html", action="/actions/discard-matching", count=count,
+            what="dead job(s)" + (f" of queue {where.queue}" if where.queue else "")
+            + (f" of kind {where.kind}" if where.kind else ""),
+            fields={"queue": where.queue or "", "kind": where.kind or ""}, ids=(),
+            back=_back({"next": request.query_params.get("next")}, "/jobs?state=discarded"))
+
+    async def confirm_discard(request: Request) -> Response:
+        """What "Discard selected" would delete, counted (a POST: the ids are a form's)."""
+        form = await request.form()
+        try:
+            ids = list(dict.fromkeys(_ids(form)))
+        except ValueError:
+            return dash.render(request, "error.html", status=400, message="not a job id")
+        back = _back(form, "/jobs?state=any")
+        return dash.render(request, "confirm.html", action="/actions/discard",
+                           count=len(ids), what="selected job(s)", fields={}, ids=ids,
+                           back=back)
+
     routes = [
         Route("/", overview),
         Route("/jobs", jobs),
@@ -316,6 +431,8 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         Route("/login", login_form, methods=["GET"]),
         Route("/login", login, methods=["POST"]),
         Route("/logout", logout, methods=["POST"]),
+        Route("/confirm/discard-matching", confirm_discard_matching, methods=["GET"]),
+        Route("/confirm/discard", confirm_discard, methods=["POST"]),
         Route("/actions/retry", action(do_retry), methods=["POST"]),
         Route("/actions/cancel", action(do_cancel), methods=["POST"]),
         Route("/actions/discard", action(do_discard), methods=["POST"]),
@@ -325,7 +442,27 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         Route("/actions/resume", action(do_resume), methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes,
+                     middleware=[Middleware(HostCheck, allowed=tuple(allowed_hosts))])
+
+
+def page_limit(value: str | None, default: int = job_admin.DEFAULT_LIMIT) -> int:
+    """
+    A listing's `?limit=` as asked (ValueError unless a positive integer of at
+    most 9 digits); the caller shows at most `MAX_PAGE` of it.
+    """
+    if value is None or value == "":
+        return default
+    if not value.isdigit() or len(value) > 9 or int(value) < 1:
+        raise ValueError(f"limit must be a whole number from 1 to {MAX_PAGE}")
+    return int(value)
+
+
+def _text_filter(params: Any, name: str) -> str | None:
+    value = str(params.get(name) or "")
+    if len(value) > MAX_FILTER_CHARS:
+        raise ValueError(f"{name} is longer than {MAX_FILTER_CHARS} characters")
+    return value or None
 
 
 async def _bulk(ids: list[UUID], act: Callable[[UUID], Awaitable[object]], verb: str) -> str:
