@@ -924,6 +924,47 @@ FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::
      (SELECT pg_notify($9::text, '')) AS notify
 ORDER BY n;
 
+-- name: plain_insert_many_unique
+-- `plain_insert_many` for a batch with unique jobs: $9 their unique keys (NULL: not
+-- unique), $10 the states each is unique within, comma-separated. A job that meets
+-- its key (held by an earlier job, or by one earlier in the batch) inserts nothing;
+-- the answer is the ids inserted, as one array (`enqueue_many` looks up the holder
+-- of each key that is missing, as `plain_unique_holder`).
+WITH inserted AS (
+    INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                                   unique_key, unique_states)
+    SELECT i, q, k, p::jsonb, pr, m,
+           coalesce(r, clock_timestamp() + make_interval(secs => d)),
+           u, string_to_array(us, ',')
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+                $7::timestamptz[], $8::double precision[], $9::text[], $10::text[])
+         WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, u, us, n)
+    ORDER BY n
+    ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+    DO NOTHING
+    RETURNING id
+)
+SELECT coalesce(array_agg(id), '{}') FROM inserted;
+
+-- name: plain_insert_many_unique_notify
+-- `plain_insert_many_unique` and a NOTIFY on channel $11, in one statement.
+WITH inserted AS (
+    INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                                   unique_key, unique_states)
+    SELECT i, q, k, p::jsonb, pr, m,
+           coalesce(r, clock_timestamp() + make_interval(secs => d)),
+           u, string_to_array(us, ',')
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+                $7::timestamptz[], $8::double precision[], $9::text[], $10::text[])
+         WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, u, us, n),
+         (SELECT pg_notify($11::text, '')) AS notify
+    ORDER BY n
+    ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+    DO NOTHING
+    RETURNING id
+)
+SELECT coalesce(array_agg(id), '{}') FROM inserted;
+
 -- name: plain_claim
 -- Take up to $2 available jobs of queue $1 that are due, by priority then due
 -- time, marked with claim token $3 and worker $4; none while the queue is paused

@@ -105,6 +105,8 @@ class Queries:
     plain_unique_holder: str
     plain_insert_many: str
     plain_insert_many_notify: str
+    plain_insert_many_unique: str
+    plain_insert_many_unique_notify: str
     plain_claim: str
     plain_finish_many_and_claim: str
     plain_retry: str
