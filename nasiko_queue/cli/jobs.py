@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..admin.jobs import (
+    DEFAULT_STATE,
     STATES,
     BulkResult,
     JobFilter,
@@ -23,7 +24,7 @@ from ..admin.jobs import (
     JobRefused,
     JobSummary,
     cancel,
-    count_matching,
+    count_jobs,
     discard,
     discard_matching,
     list_jobs,
@@ -121,8 +122,10 @@ def _filter_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed((
         click.option("--queue", default=None, help='Only this queue ("builds": build jobs).'),
         click.option("--kind", default=None, help="Only this kind."),
-        click.option("--state", type=click.Choice((*STATES, _ANY)), default="discarded",
-                     show_default=True, help="Only jobs in this state (any: all)."),
+        click.option("--state", type=click.Choice((*STATES, _ANY)), default=DEFAULT_STATE,
+                     show_default=True,
+                     help="Only jobs in this state; any: every state. The default, the "
+                          "dead letters, is JobFilter's too."),
         click.option("--older-than", default=None, metavar="DURATION",
                      callback=_parse_optional_age,
                      help="Only jobs that ended (or, unfinished, were created) longer "
@@ -202,7 +205,7 @@ def _bulk_command(verb: str, one: Callable[[Database, uuid.UUID], Awaitable[obje
         async with open_database(dsn) as db:
             if all_matching:
                 if not yes:
-                    return await count_matching(db, where)
+                    return await count_jobs(db, where)
                 return await matching(db, where)
             done: list[uuid.UUID] = []
             refused: list[tuple[uuid.UUID, str]] = []

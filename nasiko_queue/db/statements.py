@@ -124,6 +124,7 @@ class Queries:
     deleted_build_jobs_prune: str
     # -- dead-letter queue and job listings
     jobs_list: str
+    jobs_count: str
     plain_lock: str
     plain_requeue: str
     plain_delete_finished: str
