@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import types
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,12 +30,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 from uuid import UUID
 
+import attrs
 import pytest
 import trio
 from click.testing import CliRunner, Result
 from rich.console import Console
 
 from nasiko_queue import (
+    ConfigurationError,
     Database,
     Executors,
     JobOptions,
@@ -335,23 +338,49 @@ def test_worker_flags_reach_the_queue_config(
     spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
             "tests.cli_executors:executors"]
     assert invoke(runner, *spec).exit_code == 0
-    result = invoke(runner, *spec, "--max-attempts", "5", "--concurrency", "4",
+    result = invoke(runner, *spec, "--build-max-attempts", "5", "--concurrency", "4",
                     "--prefetch", "8", "--poll-interval", "0.5", "--stuck-job-mins", "90",
                     "--recovery-interval", "30", "--heartbeat-interval", "1", "--lease", "4",
                     "--rescue-interval", "2", "--no-maintenance", "--job-timeout", "600")
     assert result.exit_code == 0, result.output
     assert configs == [
         QueueConfig(),
-        QueueConfig(max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
+        QueueConfig(build_max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
                     stuck_job_mins=90, recovery_interval=30.0, heartbeat_interval=1.0,
                     lease=4.0, rescue_interval=2.0, maintenance=False, job_timeout=600.0),
     ]
     short = invoke(runner, *spec, "--lease", "2")  # under three heartbeats of 3 s
     assert short.exit_code == 2
     assert "lease" in short.stderr
-    refused = invoke(runner, *spec, "--max-attempts", "0")
+    refused = invoke(runner, *spec, "--build-max-attempts", "0")
     assert refused.exit_code == 2
-    assert "--max-attempts" in refused.stderr
+    assert "--build-max-attempts" in refused.stderr
+    # The former name still works, and says so (issue #21).
+    old = invoke(runner, *spec, "--max-attempts", "4")
+    assert old.exit_code == 0, old.output
+    assert "deprecated" in old.stderr
+    assert "--build-max-attempts" in old.stderr
+    assert configs[-1] == QueueConfig(build_max_attempts=4)
+    assert "--max-attempts" not in invoke(runner, "worker", "--help").output
+
+
+def test_the_build_jobs_attempt_cap_is_build_max_attempts_and_the_old_name_is_deprecated(
+) -> None:
+    """`QueueConfig.max_attempts` (3, build jobs) read like `JobOptions.max_attempts`
+    (20, plain jobs): renamed where it is configured, the old name kept (issue #21)."""
+    assert (QueueConfig().build_max_attempts, JobOptions().max_attempts) == (3, 20)
+    with pytest.warns(DeprecationWarning, match="now build_max_attempts"):
+        old = QueueConfig(max_attempts=5)  # type: ignore[call-arg]
+    assert old == QueueConfig(build_max_attempts=5)
+    with pytest.warns(DeprecationWarning, match="now build_max_attempts"):
+        assert old.max_attempts == 5
+    with pytest.warns(DeprecationWarning, match="now build_max_attempts"):
+        assert attrs.evolve(old, max_attempts=2).build_max_attempts == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attrs.evolve(old, prefetch=1).build_max_attempts == 5
+    with pytest.raises(ConfigurationError, match="build_max_attempts"):
+        QueueConfig(build_max_attempts=0)
 
 
 def test_worker_roles_by_flag_and_by_environment(
@@ -535,8 +564,9 @@ async def test_worker_process_second_signal_stops_at_once(
 async def test_worker_process_max_attempts_caps_the_runs(
     dsn: str, queue: Queue, worker_log: Path
 ) -> None:
-    """With --max-attempts 1 an executor that always raises runs once (the default: 3)."""
-    proc = await _start_worker(dsn, worker_log, "--max-attempts", "1")
+    """With --build-max-attempts 1 an executor that always raises runs once (the
+    default: 3)."""
+    proc = await _start_worker(dsn, worker_log, "--build-max-attempts", "1")
     try:
         job = await enqueue_with_target(queue, "Rollback", prior_success=True)
 
