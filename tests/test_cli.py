@@ -826,6 +826,39 @@ def test_job_shows_the_row_the_masked_payload_and_each_error(runner: CliRunner,
     assert "no job" in missing.output
 
 
+def test_job_speaks_plain_job_words_for_a_plain_job(runner: CliRunner, dsn: str) -> None:
+    """`nasiko-queue job` shows a plain job's state, priority, run_at, attempted_at
+    and error, not the build words (picked_at, agent_id) it showed (issue #21)."""
+    from .cli_executors import Ping
+    async def setup(db: Database) -> tuple[UUID, UUID]:
+        queue = Queue(db, config=FAST)
+        job = await queue.enqueue(Ping(n=7), delay=3600,
+                                  options=JobOptions(queue="qa", priority=4))
+        await db.execute("UPDATE nasiko_queue_jobs SET attempted_at = now(), "
+                         "error_msg = 'smtp down' WHERE id = $1", job)
+        build = await enqueue_with_target(queue, "Upload")
+        return job, build.job_id
+
+    plain, build = with_db(dsn, setup)
+    shown = invoke(runner, "job", str(plain), "--dsn", dsn)
+    assert shown.exit_code == 0, shown.output
+    labels = {line.strip("│┃ ").split(" ")[0] for line in shown.stdout.splitlines()}
+    assert {"state", "priority", "run_at", "attempted_at", "finished_at", "error", "queue",
+            "max_attempts"} <= labels
+    assert not {"picked_at", "completed_at", "agent_id", "owner_id", "status"} & labels
+    assert "smtp down" in shown.stdout
+    data = json.loads(invoke(runner, "job", str(plain), "--dsn", dsn, "--json").stdout)
+    assert (data["state"], data["queue"], data["priority"], data["status"]) == (
+        "available", "qa", 4, "available")
+    assert data["attempted_at"] is not None
+    assert data["run_at"] is not None
+    assert not {"picked_at", "completed_at", "agent_id"} & data.keys()
+    assert data["payload"] == {"kind": "ping", "n": 7}
+    built = invoke(runner, "job", str(build), "--dsn", dsn)
+    assert "picked_at" in built.stdout
+    assert "agent_id" in built.stdout
+
+
 @pytest.mark.slow
 async def test_worker_processes_with_split_roles_run_only_their_part(
     dsn: str, queue: Queue, tmp_path: Path

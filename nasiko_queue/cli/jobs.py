@@ -84,10 +84,9 @@ def job_command(job_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
         if view.target_deleted:
             console.print(f"[yellow]a kept copy: its target was deleted with it at "
                           f"{view.deleted_at} (it cannot be retried)[/]")
-        for name in ("source", "queue", "kind", "status", "attempt", "max_attempts",
-                     "error_msg", "agent_id", "connector_id", "owner_id", "created_at",
-                     "run_at", "picked_at", "completed_at", "claimed_by"):
-            value = getattr(view, name)
+        for name, value in view.shown():
+            if name == "error_msg" and view.source == "plain":
+                name = "error"
             row.add_row(name, "-" if value is None else escape(str(value)))
         console.print(row)
         console.print(escape(json.dumps(view.payload, indent=2)))
