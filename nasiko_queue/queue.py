@@ -13,8 +13,9 @@ and enqueue never waits for a worker.
 from __future__ import annotations
 
 import enum
+import json
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
@@ -22,11 +23,11 @@ from uuid import UUID, uuid4
 import asyncpg
 import trio
 
-from .builds.payloads import Payload, PayloadCodec
+from .builds.payloads import BUILTIN_PAYLOAD_TYPES, MAX_KIND_LENGTH, Payload, PayloadCodec
 from .config import QueueConfig
 from .db.database import Database, Transaction
 from .db.statements import Q
-from .errors import PayloadTooLarge
+from .errors import InvalidPayload, PayloadTooLarge
 from .plain.args import Job, JobArgs, JobOptions, Unique
 from .secrets import SecretBox
 
@@ -149,8 +150,57 @@ class Queue:
                              options: JobOptions | None, unique: Unique | None) -> UUID:
         opts = options or type(args).options
         unique = _unique_of(args, opts, unique)
+        job_id, _inserted = await self._insert_plain(
+            self._plain_row(args, opts, run_at, delay), unique, tx)
+        return job_id
+
+    async def enqueue_json(
+        self,
+        kind: str,
+        args: Mapping[str, Any],
+        *,
+        tx: Transaction | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        options: JobOptions | None = None,
+        unique: Unique | None = None,
+    ) -> UUID:
+        """
+        Add a plain job of `kind` whose arguments are the JSON object `args`,
+        without its `JobArgs` type (it need not be importable here: the worker
+        that runs `kind` decodes it); return its id. The row is what `enqueue`
+        writes for a job of that kind with those fields: ``{"kind": kind,
+        **args}``. Nothing is sealed (no type says which fields are secret).
+        `nasiko-queue enqueue` calls it. Arguments as for `enqueue`; `options`
+        defaults to `JobOptions()` (queue "default").
+
+        Raises:
+            InvalidPayload: a kind that is empty, too long or a build job's; `args`
+                not a JSON object, or naming another kind.
+            PayloadTooLarge, ValueError: as `enqueue`.
+        """
+        job_id, _inserted = await self._enqueue_json(kind, args, tx=tx, run_at=run_at,
+                                                     delay=delay, options=options,
+                                                     unique=unique)
+        return job_id
+
+    async def _enqueue_json(
+        self, kind: str, args: Mapping[str, Any], *, tx: Transaction | None = None,
+        run_at: datetime | None = None, delay: float | timedelta | None = None,
+        options: JobOptions | None = None, unique: Unique | None = None,
+    ) -> tuple[UUID, bool]:
+        """`enqueue_json`, and whether it inserted (False: a unique key's holder)."""
+        text = plain_json_payload(kind, args)
+        opts = options or JobOptions()
+        return await self._insert_plain(
+            self._plain_columns(kind, self._checked_size(kind, text), opts, run_at, delay),
+            unique, tx)
+
+    async def _insert_plain(self, columns: tuple[object, ...], unique: Unique | None,
+                            tx: Transaction | None) -> tuple[UUID, bool]:
+        """Insert a plain job; its id and True, or a unique key's holder and False."""
         job_id = uuid4()
-        row = (job_id, *self._plain_row(args, opts, run_at, delay),
+        row = (job_id, *columns,
                None if unique is None else unique.key,
                None if unique is None else sorted(unique.states))
         # A unique job that meets its key inserts nothing: return the holder's id.
@@ -158,18 +208,22 @@ class Queue:
         for _ in range(UNIQUE_TRIES):
             inserted = await self._insert(Q.plain_insert, Q.plain_insert_notify, row, tx)
             if inserted is not None:
-                return job_id
+                return job_id, True
             assert unique is not None
             holder = await (tx or self.db).fetchval(Q.plain_unique_holder, unique.key)
             if holder is not None:
                 holder_id: UUID = holder
-                return holder_id
+                return holder_id, False
         raise RuntimeError(f"unique key {row[-2]!r}: the job holding it kept changing; "
                            f"tried {UNIQUE_TRIES} times")
 
     def _plain_row(self, args: JobArgs, opts: JobOptions, run_at: datetime | None,
                    delay: float | timedelta | None) -> tuple[object, ...]:
         """A plain job's queue, kind, payload, priority, attempts, run_at and delay."""
+        return self._plain_columns(args.kind, self._encoded(args), opts, run_at, delay)
+
+    def _plain_columns(self, kind: str, text: str, opts: JobOptions, run_at: datetime | None,
+                       delay: float | timedelta | None) -> tuple[object, ...]:
         if run_at is not None and delay is not None:
             raise ValueError("give run_at or delay, not both")
         if run_at is not None and run_at.tzinfo is None:
@@ -178,16 +232,17 @@ class Queue:
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay or 0)
         if seconds < 0:
             raise ValueError(f"delay must not be negative, got {delay!r}")
-        text = self._encoded(args)
-        return (opts.queue, args.kind, text, opts.priority, opts.max_attempts, run_at, seconds)
+        return (opts.queue, kind, text, opts.priority, opts.max_attempts, run_at, seconds)
 
     def _encoded(self, payload: Payload | JobArgs) -> str:
-        text = self._codec.dumps(payload)
+        return self._checked_size(payload.kind, self._codec.dumps(payload))
+
+    def _checked_size(self, kind: str, text: str) -> str:
         # ASCII text (the usual) is as many bytes as characters, known without a copy.
         size = len(text) if text.isascii() else len(text.encode("utf-8"))
         if size > self.config.max_payload_bytes:
             raise PayloadTooLarge(
-                f"{payload.kind} payload is {size} bytes; the limit is "
+                f"{kind} payload is {size} bytes; the limit is "
                 f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
             )
         return text
@@ -385,6 +440,53 @@ class Queue:
 
 
 # -- enqueue (issue #13) ----------------------------------------------------------------
+
+#: The kinds of the built-in build payloads: never a plain job's.
+_BUILD_KINDS = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES)
+
+
+def plain_json_payload(kind: str, args: Mapping[str, Any]) -> str:
+    """
+    The stored payload of a plain job of `kind` with the fields `args` (a JSON
+    object), as `enqueue` writes one: ``{"kind": kind, **args}``; checked.
+
+    Raises:
+        InvalidPayload: a kind `check_plain_kind` refuses; `args` not a JSON
+            object, naming another kind, or holding a NUL character.
+    """
+    check_plain_kind(kind)
+    if not isinstance(args, Mapping):
+        raise InvalidPayload(f"the arguments of a {kind} job must be a JSON object, not "
+                             f"{type(args).__name__}")
+    if args.get("kind", kind) != kind:
+        raise InvalidPayload(f"the arguments name kind {args['kind']!r}, not {kind!r}")
+    try:
+        text = json.dumps({"kind": kind, **args}, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(f"the arguments of a {kind} job are not JSON: {exc}") from None
+    if "\\u0000" in text.replace("\\\\", ""):
+        raise InvalidPayload(f"the arguments of a {kind} job hold a NUL character, "
+                             "which PostgreSQL cannot store")
+    return text
+
+
+def check_plain_kind(kind: object) -> None:
+    """
+    Refuse what cannot be a plain job's kind: as a `JobArgs` type's is checked
+    when registered (a non-empty string of at most `MAX_KIND_LENGTH` characters),
+    with no control character, and not a built-in build payload's kind.
+    """
+    if not isinstance(kind, str) or not kind.strip():
+        raise InvalidPayload(f"a job kind is a non-empty string, got {kind!r}")
+    if len(kind) > MAX_KIND_LENGTH:
+        raise InvalidPayload(f"a job kind has at most {MAX_KIND_LENGTH} characters; this "
+                             f"one has {len(kind)}")
+    if any(not c.isprintable() for c in kind):
+        raise InvalidPayload(f"a job kind has no control characters, got {kind!r}")
+    if kind in _BUILD_KINDS:
+        raise InvalidPayload(f"{kind} is a build job's kind: build jobs are enqueued with "
+                             "their target by the application, not as plain jobs")
+
 
 #: One statement of `enqueue_many`: the insert, its NOTIFYing twin, its arrays,
 #: and its unique jobs (their index in the batch, their place in the statement,

@@ -859,6 +859,73 @@ def test_job_speaks_plain_job_words_for_a_plain_job(runner: CliRunner, dsn: str)
     assert "agent_id" in built.stdout
 
 
+def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
+    runner: CliRunner, dsn: str
+) -> None:
+    """`nasiko-queue enqueue KIND JSON` (issue #21): the kind need not be known here."""
+    from .cli_executors import Ping
+
+    result = invoke(runner, "enqueue", "ping", '{"n": 3}', "--dsn", dsn, "--queue", "pings",
+                    "--priority", "-2", "--max-attempts", "4", "--delay", "60")
+    assert result.exit_code == 0, result.output
+    job_id = UUID(result.stdout.strip())
+
+    async def rows(db: Database) -> Any:
+        twin = await Queue(db, config=FAST).enqueue(Ping(n=3))
+        return [await db.fetchrow(
+            "SELECT queue, kind, payload, priority, max_attempts, state, run_at - created_at "
+            "AS wait FROM nasiko_queue_jobs WHERE id = $1", i) for i in (job_id, twin)]
+
+    ours, twin = with_db(dsn, rows)
+    assert (ours["kind"], ours["payload"]) == (twin["kind"], twin["payload"])
+    assert json.loads(ours["payload"]) == {"kind": "ping", "n": 3}
+    assert (ours["queue"], ours["priority"], ours["max_attempts"], ours["state"]) == (
+        "pings", -2, 4, "available")
+    assert timedelta(seconds=59) < ours["wait"] < timedelta(seconds=61)
+
+    at = "2031-05-01T09:30:00+00:00"
+    later = invoke(runner, "enqueue", "report.daily", "--dsn", dsn, "--run-at", at)
+    assert later.exit_code == 0, later.output
+    row = with_db(dsn, lambda db: db.fetchrow(
+        "SELECT queue, payload, run_at FROM nasiko_queue_jobs WHERE id = $1",
+        UUID(later.stdout.strip())))
+    assert (row["queue"], json.loads(row["payload"])) == ("default", {"kind": "report.daily"})
+    assert row["run_at"] == datetime.fromisoformat(at)
+
+    first = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, "--unique", "once")
+    second = invoke(runner, "enqueue", "ping", '{"n": 1}', "--dsn", dsn, "--unique", "once")
+    assert first.exit_code == second.exit_code == 0
+    assert first.stdout == second.stdout
+    assert "already holds unique key 'once': nothing enqueued" in second.stderr
+    assert first.stderr == ""
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["ping", "{not json"], "JSON is not valid JSON"),
+    (["ping", "[1, 2]"], "JSON must be an object of the job's fields, not list"),
+    (["ping", '{"kind": "pong"}'], "the arguments name kind 'pong', not 'ping'"),
+    (["", "{}"], "a job kind is a non-empty string"),
+    (["x" * 101, "{}"], "a job kind has at most 100 characters"),
+    (["Upload", "{}"], "Upload is a build job's kind"),
+    (["ping", "{}", "--queue", "builds"], "'builds' is the name build jobs go by"),
+    (["ping", "{}", "--run-at", "2031-05-01T09:30"], "has no UTC offset"),
+    (["ping", "{}", "--run-at", "tomorrow"], "is not an ISO 8601 time"),
+    (["ping", "{}", "--run-at", "2031-05-01T09:30Z", "--delay", "5"], "not both"),
+    (["ping", "{}", "--priority", "40000"], "--priority"),
+])
+def test_enqueue_refuses_bad_input_in_one_line(runner: CliRunner, args: list[str],
+                                               message: str) -> None:
+    result = invoke(runner, "enqueue", *args, "--dsn", "postgresql://nobody@127.0.0.1:1/x")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    if "--priority" not in args and "--run-at" not in args:
+        assert len(result.stderr.strip().splitlines()) == 1
+    missing = invoke(runner, "enqueue", "ping", "{}", env={"DATABASE_URL": ""})
+    assert missing.exit_code == 2
+    assert "pass --dsn or set DATABASE_URL" in missing.stderr
+
+
 @pytest.mark.slow
 async def test_worker_processes_with_split_roles_run_only_their_part(
     dsn: str, queue: Queue, tmp_path: Path

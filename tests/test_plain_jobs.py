@@ -619,3 +619,24 @@ async def test_enqueue_many_with_unique_jobs_in_a_transaction_and_in_chunks(
     order = [r["id"] for r in await queue.db.fetch(
         "SELECT id FROM nasiko_queue_jobs ORDER BY run_at")]
     assert order[2:] == [i for k, i in enumerate(ids) if k not in (10, n - 1)]
+
+
+async def test_enqueue_json_writes_what_enqueue_writes_without_the_type(queue: Queue) -> None:
+    """`Queue.enqueue_json(kind, args)`, behind `nasiko-queue enqueue` (issue #21)."""
+    from nasiko_queue import InvalidPayload
+    typed = await queue.enqueue(SendEmail(to="a@example.com"))
+    untyped = await queue.enqueue_json("send_email", {"to": "a@example.com",
+                                                      "subject": "hello"},
+                                       options=JobOptions(queue="email", max_attempts=3))
+    rows = [await queue.db.fetchrow("SELECT queue, kind, payload::jsonb AS p, max_attempts "
+                                    "FROM nasiko_queue_jobs WHERE id = $1", i)
+            for i in (typed, untyped)]
+    assert dict(rows[0]) == dict(rows[1])
+    held = await queue.enqueue_json("step", {}, unique=Unique("one"))
+    assert await queue.enqueue_json("step", {"n": 1}, unique=Unique("one")) == held
+    for kind, args, message in [("step", {"text": "a\x00b"}, "NUL character"),
+                                ("step", {"x": float("nan")}, "not JSON"),
+                                ("Update", {}, "build job's kind"),
+                                ("step", ["n"], "must be a JSON object")]:
+        with pytest.raises(InvalidPayload, match=message):
+            await queue.enqueue_json(kind, args)  # type: ignore[arg-type]
