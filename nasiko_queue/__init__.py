@@ -66,6 +66,7 @@ from .executors import PlainJobContext as PlainJobContext
 from .job_errors import JobError as JobError
 from .job_errors import job_errors as job_errors
 from .plain.args import Backoff as Backoff
+from .plain.args import Job as Job
 from .plain.args import JobArgs as JobArgs
 from .plain.args import JobOptions as JobOptions
 from .plain.args import Unique as Unique

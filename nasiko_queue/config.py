@@ -8,6 +8,8 @@ number that docs/rules.md names.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -16,7 +18,9 @@ import attrs
 
 from .errors import ConfigurationError
 
-#: A job runs at most this many times (attempts are counted at claim time).
+#: A build job runs at most this many times (attempts are counted at claim
+#: time): `QueueConfig.build_max_attempts`. Plain jobs have their own cap,
+#: `JobOptions.max_attempts`.
 MAX_ATTEMPTS = 3
 #: A job `in_progress` for longer than this is recovered by the sweep. It must
 #: exceed the longest build (30 minutes in the original), hence twice that.
@@ -99,8 +103,11 @@ class QueueConfig:
     `make_interval(mins => $n)` exactly as the original does.
     """
 
-    #: Runs per job before it is failed for good (docs/rules.md §5 cap, §7 sweep).
-    max_attempts: int = attrs.field(default=MAX_ATTEMPTS, validator=_at_least_one)
+    #: Runs per build job before it is failed for good (docs/rules.md §5 cap, §7
+    #: sweep: MAX_ATTEMPTS). Plain jobs are capped by their `JobOptions.max_attempts`
+    #: (20 by default) instead. Formerly `max_attempts`, a name that still works
+    #: (deprecated).
+    build_max_attempts: int = attrs.field(default=MAX_ATTEMPTS, validator=_at_least_one)
     #: Age of `picked_at` after which an `in_progress` job counts as stuck.
     stuck_job_mins: int = attrs.field(default=STUCK_JOB_MINS, validator=_at_least_one)
     #: Capacity of the in-process wake channel.
@@ -212,6 +219,13 @@ class QueueConfig:
     #: and is enqueued only if its schedule has `catch_up` (the latest one, once).
     schedule_grace: float = attrs.field(default=60.0, validator=_positive)
 
+    @property
+    def max_attempts(self) -> int:
+        """Deprecated: `build_max_attempts` (the name said nothing of build jobs,
+        while plain jobs have `JobOptions.max_attempts`)."""
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.build_max_attempts
+
     def __attrs_post_init__(self) -> None:
         if self.lease < 3 * self.heartbeat_interval:
             raise ConfigurationError(
@@ -223,3 +237,21 @@ class QueueConfig:
                 f"prefetch_ttl ({self.prefetch_ttl}s) must be under half of stuck_job_mins "
                 f"({self.stuck_job_mins} min): a prefetched job counts as in_progress, and "
                 "one held near the stuck threshold could be recovered and run elsewhere too")
+
+
+_RENAMED = ("QueueConfig.max_attempts is now build_max_attempts (it caps build jobs only; "
+            "a plain job's cap is its JobOptions.max_attempts)")
+_attrs_init = QueueConfig.__init__
+
+
+@functools.wraps(_attrs_init)
+def _init(self: QueueConfig, *args: Any, **kwargs: Any) -> None:
+    # The former name, kept working: `QueueConfig(max_attempts=5)` and
+    # `attrs.evolve(config, max_attempts=5)` set `build_max_attempts`, with a warning.
+    if "max_attempts" in kwargs:
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        kwargs["build_max_attempts"] = kwargs.pop("max_attempts")
+    _attrs_init(self, *args, **kwargs)
+
+
+QueueConfig.__init__ = _init  # type: ignore[method-assign]

@@ -6,6 +6,7 @@ layout). This module keeps the documented path `nasiko_queue.job_admin` working.
 from .admin.jobs import (
     BUILDS_QUEUE,
     DEFAULT_LIMIT,
+    DEFAULT_STATE,
     FINISHED_STATES,
     STATES,
     BulkResult,
@@ -14,6 +15,7 @@ from .admin.jobs import (
     JobRefused,
     JobSummary,
     cancel,
+    count_jobs,
     count_matching,
     discard,
     discard_matching,
@@ -28,6 +30,7 @@ from .admin.jobs import (
 __all__ = [
     "BUILDS_QUEUE",
     "DEFAULT_LIMIT",
+    "DEFAULT_STATE",
     "FINISHED_STATES",
     "STATES",
     "BulkResult",
@@ -36,6 +39,7 @@ __all__ = [
     "JobRefused",
     "JobSummary",
     "cancel",
+    "count_jobs",
     "count_matching",
     "discard",
     "discard_matching",

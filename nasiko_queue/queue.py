@@ -13,8 +13,9 @@ and enqueue never waits for a worker.
 from __future__ import annotations
 
 import enum
+import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
@@ -22,12 +23,12 @@ from uuid import UUID, uuid4
 import asyncpg
 import trio
 
-from .builds.payloads import Payload, PayloadCodec
+from .builds.payloads import BUILTIN_PAYLOAD_TYPES, MAX_KIND_LENGTH, Payload, PayloadCodec
 from .config import QueueConfig
 from .db.database import Database, Transaction
 from .db.statements import Q
-from .errors import PayloadTooLarge
-from .plain.args import JobArgs, JobOptions, Unique
+from .errors import InvalidPayload, PayloadTooLarge
+from .plain.args import Job, JobArgs, JobOptions, Unique
 from .secrets import SecretBox
 
 # -- enqueue (issue #13) --
@@ -148,13 +149,58 @@ class Queue:
                              run_at: datetime | None, delay: float | timedelta | None,
                              options: JobOptions | None, unique: Unique | None) -> UUID:
         opts = options or type(args).options
-        if unique is None:
-            unique = opts.unique
-        if unique is None:
-            key = args.unique_key()
-            unique = Unique(key) if key else None
+        unique = _unique_of(args, opts, unique)
+        job_id, _inserted = await self._insert_plain(
+            self._plain_row(args, opts, run_at, delay), unique, tx)
+        return job_id
+
+    async def enqueue_json(
+        self,
+        kind: str,
+        args: Mapping[str, Any],
+        *,
+        tx: Transaction | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        options: JobOptions | None = None,
+        unique: Unique | None = None,
+    ) -> UUID:
+        """
+        Add a plain job of `kind` whose arguments are the JSON object `args`,
+        without its `JobArgs` type (it need not be importable here: the worker
+        that runs `kind` decodes it); return its id. The row is what `enqueue`
+        writes for a job of that kind with those fields: ``{"kind": kind,
+        **args}``. Nothing is sealed (no type says which fields are secret).
+        `nasiko-queue enqueue` calls it. Arguments as for `enqueue`; `options`
+        defaults to `JobOptions()` (queue "default").
+
+        Raises:
+            InvalidPayload: a kind that is empty, too long or a build job's; `args`
+                not a JSON object, or naming another kind.
+            PayloadTooLarge, ValueError: as `enqueue`.
+        """
+        job_id, _inserted = await self._enqueue_json(kind, args, tx=tx, run_at=run_at,
+                                                     delay=delay, options=options,
+                                                     unique=unique)
+        return job_id
+
+    async def _enqueue_json(
+        self, kind: str, args: Mapping[str, Any], *, tx: Transaction | None = None,
+        run_at: datetime | None = None, delay: float | timedelta | None = None,
+        options: JobOptions | None = None, unique: Unique | None = None,
+    ) -> tuple[UUID, bool]:
+        """`enqueue_json`, and whether it inserted (False: a unique key's holder)."""
+        text = plain_json_payload(kind, args)
+        opts = options or JobOptions()
+        return await self._insert_plain(
+            self._plain_columns(kind, self._checked_size(kind, text), opts, run_at, delay),
+            unique, tx)
+
+    async def _insert_plain(self, columns: tuple[object, ...], unique: Unique | None,
+                            tx: Transaction | None) -> tuple[UUID, bool]:
+        """Insert a plain job; its id and True, or a unique key's holder and False."""
         job_id = uuid4()
-        row = (job_id, *self._plain_row(args, opts, run_at, delay),
+        row = (job_id, *columns,
                None if unique is None else unique.key,
                None if unique is None else sorted(unique.states))
         # A unique job that meets its key inserts nothing: return the holder's id.
@@ -162,18 +208,22 @@ class Queue:
         for _ in range(UNIQUE_TRIES):
             inserted = await self._insert(Q.plain_insert, Q.plain_insert_notify, row, tx)
             if inserted is not None:
-                return job_id
+                return job_id, True
             assert unique is not None
             holder = await (tx or self.db).fetchval(Q.plain_unique_holder, unique.key)
             if holder is not None:
                 holder_id: UUID = holder
-                return holder_id
+                return holder_id, False
         raise RuntimeError(f"unique key {row[-2]!r}: the job holding it kept changing; "
                            f"tried {UNIQUE_TRIES} times")
 
     def _plain_row(self, args: JobArgs, opts: JobOptions, run_at: datetime | None,
                    delay: float | timedelta | None) -> tuple[object, ...]:
         """A plain job's queue, kind, payload, priority, attempts, run_at and delay."""
+        return self._plain_columns(args.kind, self._encoded(args), opts, run_at, delay)
+
+    def _plain_columns(self, kind: str, text: str, opts: JobOptions, run_at: datetime | None,
+                       delay: float | timedelta | None) -> tuple[object, ...]:
         if run_at is not None and delay is not None:
             raise ValueError("give run_at or delay, not both")
         if run_at is not None and run_at.tzinfo is None:
@@ -182,16 +232,17 @@ class Queue:
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay or 0)
         if seconds < 0:
             raise ValueError(f"delay must not be negative, got {delay!r}")
-        text = self._encoded(args)
-        return (opts.queue, args.kind, text, opts.priority, opts.max_attempts, run_at, seconds)
+        return (opts.queue, kind, text, opts.priority, opts.max_attempts, run_at, seconds)
 
     def _encoded(self, payload: Payload | JobArgs) -> str:
-        text = self._codec.dumps(payload)
+        return self._checked_size(payload.kind, self._codec.dumps(payload))
+
+    def _checked_size(self, kind: str, text: str) -> str:
         # ASCII text (the usual) is as many bytes as characters, known without a copy.
         size = len(text) if text.isascii() else len(text.encode("utf-8"))
         if size > self.config.max_payload_bytes:
             raise PayloadTooLarge(
-                f"{payload.kind} payload is {size} bytes; the limit is "
+                f"{kind} payload is {size} bytes; the limit is "
                 f"{self.config.max_payload_bytes} (QueueConfig.max_payload_bytes)"
             )
         return text
@@ -215,7 +266,7 @@ class Queue:
 
     async def enqueue_many(
         self,
-        payloads: Sequence[Payload | JobArgs],
+        payloads: Sequence[Payload | JobArgs | Job],
         *,
         tx: Transaction | None = None,
         owner_id: UUID | None = None,
@@ -234,11 +285,17 @@ class Queue:
         the order given (within a queue and a priority, for plain jobs). One
         NOTIFY per transaction, as for `enqueue`; with `tx`, they commit or
         vanish with it. Build payloads and plain jobs may be mixed (statements
-        for each); plain jobs take their type's `options`, and unique ones must
-        be enqueued one by one.
+        for each). A bare `JobArgs` takes its type's `options`; wrap it in a
+        `Job` to give it what `enqueue` takes: ``Job(args, options=...,
+        run_at=..., delay=..., unique=...)``. Unique jobs (a `unique=`, their
+        options' or their type's `unique_key()`) go in the batch's statements,
+        in order: one whose key is held (by an earlier job, or by one earlier in
+        the same batch) inserts nothing and its place in the answer holds the
+        holder's id, as `enqueue` returns it.
 
         Args:
-            payloads: build `Payload`s or plain `JobArgs`, of any mix of kinds.
+            payloads: build `Payload`s, plain `JobArgs` and `Job`s, of any mix
+                of kinds.
             tx: as for `enqueue`.
             owner_id: the owner of every build payload that names none of its own.
 
@@ -247,41 +304,51 @@ class Queue:
         """
         batch = _Batch(self, payloads, owner_id)
         if tx is not None or len(payloads) <= ENQUEUE_MANY_CHUNK:
-            await self._insert_statements(batch.all(), tx)
+            holders = await self._insert_statements(batch.all(), tx)
         else:
-            await self._insert_pipelined(batch)
-        return batch.ids
+            holders = await self._insert_pipelined(batch)
+        ids = batch.ids
+        for index, holder in holders.items():
+            ids[index] = holder
+        return ids
 
     # -- enqueue (issue #13) --
     async def _insert_statements(self, statements: list[_Statement],
-                                 tx: Transaction | None) -> None:
+                                 tx: Transaction | None) -> dict[int, UUID]:
         """
         Encoded statements, in order. Without `tx`, all of them cross to asyncio
-        at once, on a kept connection: one statement commits by itself; several
-        run in one transaction of their own, begun and committed in that crossing.
+        at once, on a kept connection: one statement (with no unique job) commits
+        by itself; several run in one transaction of their own, begun and
+        committed in that crossing. Returns the holders of the unique jobs that
+        inserted nothing, by their index in the batch.
         """
+        holders: dict[int, UUID] = {}
         if not statements:
-            return
+            return holders
         if tx is not None:
             # The first NOTIFYs (once per transaction) and wakes after commit, as
             # one `enqueue` does; the others only insert.
             first, *rest = statements
-            await self._insert(*first, tx)
-            for quiet, _notifying, columns in rest:
-                await tx.execute(quiet, *columns)
-            return
+            inserted = await self._insert(*first[:3], tx)
+            holders.update(await _unique_holders(first, inserted, tx.fetchval))
+            for statement in rest:
+                inserted = await tx.fetchval(statement[0], *statement[2])
+                holders.update(await _unique_holders(statement, inserted, tx.fetchval))
+            return holders
         channel = self.config.notify_channel
 
         async def insert(conn: asyncpg.Connection) -> None:
             # The first statement NOTIFYs: once per transaction, sent at its commit.
-            for index, (quiet, notifying, columns) in enumerate(statements):
+            for index, statement in enumerate(statements):
+                quiet, notifying, columns, _uniques = statement
                 if index == 0 and channel is not None:
-                    await conn.execute(notifying, *columns, channel)
+                    inserted = await conn.fetchval(notifying, *columns, channel)
                 else:
-                    await conn.execute(quiet, *columns)
+                    inserted = await conn.fetchval(quiet, *columns)
+                holders.update(await _unique_holders(statement, inserted, conn.fetchval))
 
         async def insert_all(conn: asyncpg.Connection) -> None:
-            if len(statements) == 1:
+            if len(statements) == 1 and not statements[0][3]:
                 await insert(conn)
             else:
                 async with conn.transaction():
@@ -289,20 +356,23 @@ class Queue:
 
         await self.db.run_kept(insert_all)
         self.wake()
+        return holders
 
-    async def _insert_pipelined(self, batch: _Batch) -> None:
+    async def _insert_pipelined(self, batch: _Batch) -> dict[int, UUID]:
         """
         A large batch in a transaction of its own, each chunk encoded (in a worker
         thread) while the server inserts the one before: the client's encoding
         and the server's inserts overlap instead of taking turns.
         """
         statement = await trio.to_thread.run_sync(batch.next_statement)
+        holders: dict[int, UUID] = {}
         async with self.db.transaction() as own:
             first = True
             while statement is not None:
                 try:
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._insert_one, statement, first, own)
+                        nursery.start_soon(self._insert_one, statement, first, own,
+                                           holders)
                         following = await trio.to_thread.run_sync(batch.next_statement)
                 except BaseExceptionGroup as group:
                     leaves = _leaves(group)
@@ -310,13 +380,16 @@ class Queue:
                         raise leaves[0] from None
                     raise
                 statement, first = following, False
+        return holders
 
-    async def _insert_one(self, statement: _Statement, first: bool, tx: Transaction) -> None:
-        quiet, notifying, columns = statement
+    async def _insert_one(self, statement: _Statement, first: bool, tx: Transaction,
+                          holders: dict[int, UUID]) -> None:
+        quiet, notifying, columns, _uniques = statement
         if first:
-            await self._insert(quiet, notifying, columns, tx)
+            inserted = await self._insert(quiet, notifying, columns, tx)
         else:
-            await tx.execute(quiet, *columns)
+            inserted = await tx.fetchval(quiet, *columns)
+        holders.update(await _unique_holders(statement, inserted, tx.fetchval))
 
     async def _insert(self, plain: str, notifying: str, args: Sequence[object],
                       tx: Transaction | None) -> Any:
@@ -368,8 +441,99 @@ class Queue:
 
 # -- enqueue (issue #13) ----------------------------------------------------------------
 
-#: One statement of `enqueue_many`: the insert, its NOTIFYing twin, its arrays.
-_Statement = tuple[str, str, tuple[list[Any], ...]]
+#: The kinds of the built-in build payloads: never a plain job's.
+_BUILD_KINDS = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES)
+
+
+def plain_json_payload(kind: str, args: Mapping[str, Any]) -> str:
+    """
+    The stored payload of a plain job of `kind` with the fields `args` (a JSON
+    object), as `enqueue` writes one: ``{"kind": kind, **args}``; checked.
+
+    Raises:
+        InvalidPayload: a kind `check_plain_kind` refuses; `args` not a JSON
+            object, naming another kind, or holding a NUL character.
+    """
+    check_plain_kind(kind)
+    if not isinstance(args, Mapping):
+        raise InvalidPayload(f"the arguments of a {kind} job must be a JSON object, not "
+                             f"{type(args).__name__}")
+    if args.get("kind", kind) != kind:
+        raise InvalidPayload(f"the arguments name kind {args['kind']!r}, not {kind!r}")
+    try:
+        text = json.dumps({"kind": kind, **args}, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(f"the arguments of a {kind} job are not JSON: {exc}") from None
+    if "\\u0000" in text.replace("\\\\", ""):
+        raise InvalidPayload(f"the arguments of a {kind} job hold a NUL character, "
+                             "which PostgreSQL cannot store")
+    return text
+
+
+def check_plain_kind(kind: object) -> None:
+    """
+    Refuse what cannot be a plain job's kind: as a `JobArgs` type's is checked
+    when registered (a non-empty string of at most `MAX_KIND_LENGTH` characters),
+    with no control character, and not a built-in build payload's kind.
+    """
+    if not isinstance(kind, str) or not kind.strip():
+        raise InvalidPayload(f"a job kind is a non-empty string, got {kind!r}")
+    if len(kind) > MAX_KIND_LENGTH:
+        raise InvalidPayload(f"a job kind has at most {MAX_KIND_LENGTH} characters; this "
+                             f"one has {len(kind)}")
+    if any(not c.isprintable() for c in kind):
+        raise InvalidPayload(f"a job kind has no control characters, got {kind!r}")
+    if kind in _BUILD_KINDS:
+        raise InvalidPayload(f"{kind} is a build job's kind: build jobs are enqueued with "
+                             "their target by the application, not as plain jobs")
+
+
+#: One statement of `enqueue_many`: the insert, its NOTIFYing twin, its arrays,
+#: and its unique jobs (their index in the batch, their place in the statement,
+#: their id and their key); none: the statement answers nothing of use.
+_Statement = tuple[str, str, tuple[list[Any], ...], tuple[tuple[int, int, UUID, str], ...]]
+
+
+def _unique_of(args: JobArgs, opts: JobOptions, unique: Unique | None) -> Unique | None:
+    """A plain job's uniqueness: the enqueue's, else its options', else its type's key."""
+    if unique is None:
+        unique = opts.unique
+    if unique is None:
+        key = args.unique_key()
+        unique = Unique(key) if key else None
+    return unique
+
+
+async def _unique_holders(statement: _Statement, inserted: Any,
+                          fetchval: Callable[..., Awaitable[Any]]) -> dict[int, UUID]:
+    """
+    The holder of each unique job of `statement` that inserted nothing (its id is
+    not in `inserted`), by its index in the batch; run in the statement's
+    transaction, right after it. A holder that ended meanwhile leaves its key
+    free: the job is inserted again alone (then it is claimed after the jobs of
+    its statement that follow it), up to `UNIQUE_TRIES` times, as `enqueue` does.
+    `fetchval` is the transaction's (trio) or the connection's (asyncio).
+    """
+    quiet, _notifying, columns, uniques = statement
+    holders: dict[int, UUID] = {}
+    if not uniques:
+        return holders
+    done = set(inserted or ())
+    for index, place, job_id, key in uniques:
+        if job_id in done:
+            continue
+        for _ in range(UNIQUE_TRIES):
+            holder = await fetchval(Q.plain_unique_holder, key)
+            if holder is not None:
+                holders[index] = holder
+                break
+            again = await fetchval(quiet, *([column[place]] for column in columns))
+            if again:
+                break
+        else:
+            raise RuntimeError(f"unique key {key!r}: the job holding it kept changing; "
+                               f"tried {UNIQUE_TRIES} times")
+    return holders
 
 
 class _Batch:
@@ -379,7 +543,7 @@ class _Batch:
     the first payload that fails is the one reported, whichever statement it is in.
     """
 
-    def __init__(self, queue: Queue, payloads: Sequence[Payload | JobArgs],
+    def __init__(self, queue: Queue, payloads: Sequence[Payload | JobArgs | Job],
                  owner_id: UUID | None) -> None:
         self._queue = queue
         self._payloads = payloads
@@ -389,6 +553,8 @@ class _Batch:
         self._build_ids: list[UUID] = []
         self._plain: list[tuple[object, ...]] = []
         self._plain_ids: list[UUID] = []
+        #: The unique jobs of the plain statement being filled (see `_Statement`).
+        self._plain_unique: list[tuple[int, int, UUID, str]] = []
         #: Every job's id, in the order given.
         self.ids: list[UUID] = []
         self._random = b""
@@ -407,14 +573,25 @@ class _Batch:
         while self._next < len(payloads):
             index = self._next
             payload = payloads[index]
+            job_id = self._new_id()
             try:
                 if isinstance(payload, JobArgs):
-                    opts = type(payload).options
-                    if opts.unique is not None or payload.unique_key():
-                        raise ValueError(f"{payload.kind} jobs are unique: enqueue them one "
-                                         "by one (enqueue), so that each learns its job id")
-                    self._plain.append(queue._plain_row(payload, opts, None, None))
+                    payload = Job(payload)
+                if isinstance(payload, Job):
+                    args = payload.args
+                    opts = payload.options or type(args).options
+                    unique = _unique_of(args, opts, payload.unique)
+                    row = queue._plain_row(args, opts, payload.run_at, payload.delay)
+                    if unique is None:
+                        self._plain.append((*row, None, None))
+                    else:
+                        self._plain_unique.append((index, len(self._plain), job_id,
+                                                   unique.key))
+                        self._plain.append((*row, unique.key, ",".join(sorted(unique.states))))
                     ids = self._plain_ids
+                elif not isinstance(payload, Payload):
+                    raise TypeError(f"enqueue_many takes build payloads, JobArgs and Jobs, "
+                                    f"not {type(payload).__name__}")
                 else:
                     self._build.append(queue._row(payload, self._owner_id))
                     ids = self._build_ids
@@ -422,7 +599,6 @@ class _Batch:
                 exc.add_note(f"payload {index} of the {len(payloads)} given to enqueue_many; "
                              "nothing was enqueued")
                 raise
-            job_id = self._new_id()
             ids.append(job_id)
             self.ids.append(job_id)
             self._next += 1
@@ -448,13 +624,16 @@ class _Batch:
         rows, ids = self._build, self._build_ids
         self._build, self._build_ids = [], []
         return (Q.jobs_insert_many, Q.jobs_insert_many_notify,
-                (ids, *([r[i] for r in rows] for i in range(4))))
+                (ids, *([r[i] for r in rows] for i in range(4))), ())
 
     def _take_plain(self) -> _Statement:
-        rows, ids = self._plain, self._plain_ids
-        self._plain, self._plain_ids = [], []
-        return (Q.plain_insert_many, Q.plain_insert_many_notify,
-                (ids, *([r[i] for r in rows] for i in range(7))))
+        rows, ids, uniques = self._plain, self._plain_ids, self._plain_unique
+        self._plain, self._plain_ids, self._plain_unique = [], [], []
+        if not uniques:
+            return (Q.plain_insert_many, Q.plain_insert_many_notify,
+                    (ids, *([r[i] for r in rows] for i in range(7))), ())
+        return (Q.plain_insert_many_unique, Q.plain_insert_many_unique_notify,
+                (ids, *([r[i] for r in rows] for i in range(9))), tuple(uniques))
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import types
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,12 +30,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 from uuid import UUID
 
+import attrs
 import pytest
 import trio
 from click.testing import CliRunner, Result
 from rich.console import Console
 
 from nasiko_queue import (
+    ConfigurationError,
     Database,
     Executors,
     JobOptions,
@@ -335,23 +338,49 @@ def test_worker_flags_reach_the_queue_config(
     spec = ["worker", "--dsn", "postgresql://nobody@127.0.0.1:1/none", "--executors",
             "tests.cli_executors:executors"]
     assert invoke(runner, *spec).exit_code == 0
-    result = invoke(runner, *spec, "--max-attempts", "5", "--concurrency", "4",
+    result = invoke(runner, *spec, "--build-max-attempts", "5", "--concurrency", "4",
                     "--prefetch", "8", "--poll-interval", "0.5", "--stuck-job-mins", "90",
                     "--recovery-interval", "30", "--heartbeat-interval", "1", "--lease", "4",
                     "--rescue-interval", "2", "--no-maintenance", "--job-timeout", "600")
     assert result.exit_code == 0, result.output
     assert configs == [
         QueueConfig(),
-        QueueConfig(max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
+        QueueConfig(build_max_attempts=5, concurrency=4, prefetch=8, poll_interval=0.5,
                     stuck_job_mins=90, recovery_interval=30.0, heartbeat_interval=1.0,
                     lease=4.0, rescue_interval=2.0, maintenance=False, job_timeout=600.0),
     ]
     short = invoke(runner, *spec, "--lease", "2")  # under three heartbeats of 3 s
     assert short.exit_code == 2
     assert "lease" in short.stderr
-    refused = invoke(runner, *spec, "--max-attempts", "0")
+    refused = invoke(runner, *spec, "--build-max-attempts", "0")
     assert refused.exit_code == 2
-    assert "--max-attempts" in refused.stderr
+    assert "--build-max-attempts" in refused.stderr
+    # The former name still works, and says so (issue #21).
+    old = invoke(runner, *spec, "--max-attempts", "4")
+    assert old.exit_code == 0, old.output
+    assert "deprecated" in old.stderr
+    assert "--build-max-attempts" in old.stderr
+    assert configs[-1] == QueueConfig(build_max_attempts=4)
+    assert "--max-attempts" not in invoke(runner, "worker", "--help").output
+
+
+def test_the_build_jobs_attempt_cap_is_build_max_attempts_and_the_old_name_is_deprecated(
+) -> None:
+    """`QueueConfig.max_attempts` (3, build jobs) read like `JobOptions.max_attempts`
+    (20, plain jobs): renamed where it is configured, the old name kept (issue #21)."""
+    assert (QueueConfig().build_max_attempts, JobOptions().max_attempts) == (3, 20)
+    with pytest.warns(DeprecationWarning, match="now build_max_attempts"):
+        old = QueueConfig(max_attempts=5)  # type: ignore[call-arg]
+    assert old == QueueConfig(build_max_attempts=5)
+    with pytest.warns(DeprecationWarning, match="now build_max_attempts"):
+        assert old.max_attempts == 5
+    with pytest.warns(DeprecationWarning, match="now build_max_attempts"):
+        assert attrs.evolve(old, max_attempts=2).build_max_attempts == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attrs.evolve(old, prefetch=1).build_max_attempts == 5
+    with pytest.raises(ConfigurationError, match="build_max_attempts"):
+        QueueConfig(build_max_attempts=0)
 
 
 def test_worker_roles_by_flag_and_by_environment(
@@ -535,8 +564,9 @@ async def test_worker_process_second_signal_stops_at_once(
 async def test_worker_process_max_attempts_caps_the_runs(
     dsn: str, queue: Queue, worker_log: Path
 ) -> None:
-    """With --max-attempts 1 an executor that always raises runs once (the default: 3)."""
-    proc = await _start_worker(dsn, worker_log, "--max-attempts", "1")
+    """With --build-max-attempts 1 an executor that always raises runs once (the
+    default: 3)."""
+    proc = await _start_worker(dsn, worker_log, "--build-max-attempts", "1")
     try:
         job = await enqueue_with_target(queue, "Rollback", prior_success=True)
 
@@ -794,6 +824,106 @@ def test_job_shows_the_row_the_masked_payload_and_each_error(runner: CliRunner,
     missing = invoke(runner, "job", str(uuid.uuid4()), "--dsn", dsn)
     assert missing.exit_code == 1
     assert "no job" in missing.output
+
+
+def test_job_speaks_plain_job_words_for_a_plain_job(runner: CliRunner, dsn: str) -> None:
+    """`nasiko-queue job` shows a plain job's state, priority, run_at, attempted_at
+    and error, not the build words (picked_at, agent_id) it showed (issue #21)."""
+    from .cli_executors import Ping
+    async def setup(db: Database) -> tuple[UUID, UUID]:
+        queue = Queue(db, config=FAST)
+        job = await queue.enqueue(Ping(n=7), delay=3600,
+                                  options=JobOptions(queue="qa", priority=4))
+        await db.execute("UPDATE nasiko_queue_jobs SET attempted_at = now(), "
+                         "error_msg = 'smtp down' WHERE id = $1", job)
+        build = await enqueue_with_target(queue, "Upload")
+        return job, build.job_id
+
+    plain, build = with_db(dsn, setup)
+    shown = invoke(runner, "job", str(plain), "--dsn", dsn)
+    assert shown.exit_code == 0, shown.output
+    labels = {line.strip("│┃ ").split(" ")[0] for line in shown.stdout.splitlines()}
+    assert {"state", "priority", "run_at", "attempted_at", "finished_at", "error", "queue",
+            "max_attempts"} <= labels
+    assert not {"picked_at", "completed_at", "agent_id", "owner_id", "status"} & labels
+    assert "smtp down" in shown.stdout
+    data = json.loads(invoke(runner, "job", str(plain), "--dsn", dsn, "--json").stdout)
+    assert (data["state"], data["queue"], data["priority"], data["status"]) == (
+        "available", "qa", 4, "available")
+    assert data["attempted_at"] is not None
+    assert data["run_at"] is not None
+    assert not {"picked_at", "completed_at", "agent_id"} & data.keys()
+    assert data["payload"] == {"kind": "ping", "n": 7}
+    built = invoke(runner, "job", str(build), "--dsn", dsn)
+    assert "picked_at" in built.stdout
+    assert "agent_id" in built.stdout
+
+
+def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
+    runner: CliRunner, dsn: str
+) -> None:
+    """`nasiko-queue enqueue KIND JSON` (issue #21): the kind need not be known here."""
+    from .cli_executors import Ping
+
+    result = invoke(runner, "enqueue", "ping", '{"n": 3}', "--dsn", dsn, "--queue", "pings",
+                    "--priority", "-2", "--max-attempts", "4", "--delay", "60")
+    assert result.exit_code == 0, result.output
+    job_id = UUID(result.stdout.strip())
+
+    async def rows(db: Database) -> Any:
+        twin = await Queue(db, config=FAST).enqueue(Ping(n=3))
+        return [await db.fetchrow(
+            "SELECT queue, kind, payload, priority, max_attempts, state, run_at - created_at "
+            "AS wait FROM nasiko_queue_jobs WHERE id = $1", i) for i in (job_id, twin)]
+
+    ours, twin = with_db(dsn, rows)
+    assert (ours["kind"], ours["payload"]) == (twin["kind"], twin["payload"])
+    assert json.loads(ours["payload"]) == {"kind": "ping", "n": 3}
+    assert (ours["queue"], ours["priority"], ours["max_attempts"], ours["state"]) == (
+        "pings", -2, 4, "available")
+    assert timedelta(seconds=59) < ours["wait"] < timedelta(seconds=61)
+
+    at = "2031-05-01T09:30:00+00:00"
+    later = invoke(runner, "enqueue", "report.daily", "--dsn", dsn, "--run-at", at)
+    assert later.exit_code == 0, later.output
+    row = with_db(dsn, lambda db: db.fetchrow(
+        "SELECT queue, payload, run_at FROM nasiko_queue_jobs WHERE id = $1",
+        UUID(later.stdout.strip())))
+    assert (row["queue"], json.loads(row["payload"])) == ("default", {"kind": "report.daily"})
+    assert row["run_at"] == datetime.fromisoformat(at)
+
+    first = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, "--unique", "once")
+    second = invoke(runner, "enqueue", "ping", '{"n": 1}', "--dsn", dsn, "--unique", "once")
+    assert first.exit_code == second.exit_code == 0
+    assert first.stdout == second.stdout
+    assert "already holds unique key 'once': nothing enqueued" in second.stderr
+    assert first.stderr == ""
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["ping", "{not json"], "JSON is not valid JSON"),
+    (["ping", "[1, 2]"], "JSON must be an object of the job's fields, not list"),
+    (["ping", '{"kind": "pong"}'], "the arguments name kind 'pong', not 'ping'"),
+    (["", "{}"], "a job kind is a non-empty string"),
+    (["x" * 101, "{}"], "a job kind has at most 100 characters"),
+    (["Upload", "{}"], "Upload is a build job's kind"),
+    (["ping", "{}", "--queue", "builds"], "'builds' is the name build jobs go by"),
+    (["ping", "{}", "--run-at", "2031-05-01T09:30"], "has no UTC offset"),
+    (["ping", "{}", "--run-at", "tomorrow"], "is not an ISO 8601 time"),
+    (["ping", "{}", "--run-at", "2031-05-01T09:30Z", "--delay", "5"], "not both"),
+    (["ping", "{}", "--priority", "40000"], "--priority"),
+])
+def test_enqueue_refuses_bad_input_in_one_line(runner: CliRunner, args: list[str],
+                                               message: str) -> None:
+    result = invoke(runner, "enqueue", *args, "--dsn", "postgresql://nobody@127.0.0.1:1/x")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    if "--priority" not in args and "--run-at" not in args:
+        assert len(result.stderr.strip().splitlines()) == 1
+    missing = invoke(runner, "enqueue", "ping", "{}", env={"DATABASE_URL": ""})
+    assert missing.exit_code == 2
+    assert "pass --dsn or set DATABASE_URL" in missing.stderr
 
 
 @pytest.mark.slow

@@ -452,3 +452,60 @@ def test_cli_cancel_and_usage_errors(runner: CliRunner, dsn: str) -> None:
                      "--dsn", dsn)
     assert retried.exit_code == 0
     assert f"retried {mail}" in retried.stdout
+
+
+# -- counts, the summary's fields, the default state (issue #21) --------------------
+
+
+async def test_count_jobs_counts_every_page_of_a_filter_in_one_statement(queue: Queue) -> None:
+    from nasiko_queue.job_admin import count_jobs
+    db = queue.db
+    mails = [await queue.enqueue(Mail(to=f"{n}@example.com")) for n in range(5)]
+    await queue.enqueue(Report())
+    await enqueue_with_target(queue, "Upload")
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'discarded', finished_at = now() "
+                     "- interval '2 days' WHERE id = ANY ($1)", mails[:3])
+    assert await count_jobs(db) == 3                          # the dead letters
+    assert await count_jobs(db, JobFilter(limit=1)) == 3      # a page size is no bound
+    assert await count_jobs(db, JobFilter(state=None)) == 7
+    assert await count_jobs(db, JobFilter(state="available")) == 4
+    assert await count_jobs(db, JobFilter(state=None, queue="builds")) == 1
+    assert await count_jobs(db, JobFilter(state=None, kind="mail")) == 5
+    assert await count_jobs(db, JobFilter(older_than=timedelta(days=1))) == 3
+    assert await count_jobs(db, JobFilter(older_than=timedelta(days=3))) == 0
+    for where in (JobFilter(), JobFilter(state=None), JobFilter(state=None, queue="email")):
+        assert await count_jobs(db, where) == len(
+            await list_jobs(db, attrs.evolve(where, limit=1000)))
+
+
+async def test_a_summary_carries_run_at_priority_and_the_claim(queue: Queue) -> None:
+    db = queue.db
+    later = await queue.enqueue(Mail(to="a@example.com"), delay=3600,
+                                options=JobOptions(queue="email", priority=7))
+    now = await queue.enqueue(Report())
+    worker_id = uuid.uuid4()
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1, "
+                     "attempted_at = now(), claimed_by = $2 WHERE id = $1", now, worker_id)
+    build = await enqueue_with_target(queue, "Upload")
+    await db.execute("UPDATE build_jobs SET status = 'in_progress', picked_at = now(), "
+                     "attempt = 1 WHERE id = $1", build.job_id)
+    jobs = {j.id: j for j in await list_jobs(db, JobFilter(state=None))}
+    assert jobs[later].priority == 7
+    assert jobs[later].run_at is not None
+    assert jobs[later].attempted_at is None
+    assert jobs[later].run_at - jobs[later].created_at > timedelta(minutes=59)
+    assert (jobs[now].attempted_at is not None, jobs[now].claimed_by) == (True, worker_id)
+    assert jobs[build.job_id].attempted_at is not None
+    assert (jobs[build.job_id].run_at, jobs[build.job_id].priority) == (None, None)
+    as_json = jobs[later].to_json()
+    assert {"run_at", "priority", "attempted_at", "claimed_by"} <= as_json.keys()
+
+
+def test_the_library_and_the_cli_default_to_the_same_state() -> None:
+    """Decided (issue #21): both are about the dead letters unless told; `state=None`
+    and `--state any` are every state."""
+    from nasiko_queue.cli.jobs import jobs_list_command
+    from nasiko_queue.job_admin import DEFAULT_STATE
+    [state] = [p for p in jobs_list_command.params if p.name == "state"]
+    assert JobFilter().state == DEFAULT_STATE == state.default == "discarded"
+    assert "any" in state.type.choices  # type: ignore[attr-defined]

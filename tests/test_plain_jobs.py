@@ -501,3 +501,142 @@ async def test_a_plain_jobs_secrets_are_sealed_at_rest_and_masked_in_its_errors(
     row = await plain_row(queue.db, job_id)
     assert token not in row["error_msg"]
     assert token not in caplog.text
+
+
+# -- enqueue_many with per-job options (issue #21) ----------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class OncePerUser(JobArgs):
+    """A type whose jobs are unique by a key of their fields."""
+
+    kind: ClassVar[str] = "once_per_user"
+    user: str
+
+    def unique_key(self) -> str | None:
+        return f"user:{self.user}"
+
+
+async def _rows(db: Database, ids: list[Any]) -> list[Any]:
+    return [await db.fetchrow(
+        "SELECT queue, priority, max_attempts, run_at, created_at, unique_key "
+        "FROM nasiko_queue_jobs WHERE id = $1", i) for i in ids]
+
+
+async def test_enqueue_many_takes_each_jobs_options_run_at_and_delay(queue: Queue) -> None:
+    """Jobs meant for queue "qa" go to "qa" (they silently went to "default")."""
+    from nasiko_queue import Job
+    at = datetime.now(UTC) + timedelta(days=1)
+    ids = await queue.enqueue_many([
+        Job(Step(n=0), options=JobOptions(queue="qa", priority=3, max_attempts=7)),
+        Job(Step(n=1), run_at=at),
+        Job(Step(n=2), delay=3600),
+        Job(Step(n=3), delay=timedelta(minutes=5), options=JobOptions(queue="qa")),
+        Step(n=4),
+        SendEmail(to="x@example.com"),
+    ])
+    rows = await _rows(queue.db, ids)
+    assert [(r["queue"], r["priority"], r["max_attempts"]) for r in rows] == [
+        ("qa", 3, 7), ("default", 0, 20), ("default", 0, 20), ("qa", 0, 20),
+        ("default", 0, 20), ("email", 0, 3)]
+    assert rows[1]["run_at"] == at
+    # The batch's clock (per row, for the order), not the transaction's.
+    assert timedelta(minutes=59) < rows[2]["run_at"] - rows[2]["created_at"] < timedelta(
+        minutes=61)
+    assert timedelta(minutes=4) < rows[3]["run_at"] - rows[3]["created_at"] < timedelta(
+        minutes=6)
+    assert rows[4]["run_at"] <= rows[0]["created_at"] + timedelta(seconds=5)
+
+
+async def test_enqueue_many_refuses_a_bad_job_with_its_index_and_enqueues_nothing(
+    queue: Queue,
+) -> None:
+    from nasiko_queue import Job
+    with pytest.raises(ValueError, match="aware datetime") as err:
+        await queue.enqueue_many([Step(n=0), Job(Step(n=1), delay=5),
+                                  Job(Step(n=2), run_at=datetime(2030, 1, 1))])
+    assert "payload 2 of the 3 given to enqueue_many; nothing was enqueued" in (
+        err.value.__notes__)
+    with pytest.raises(ValueError, match="run_at or delay, not both"):
+        await queue.enqueue_many([Job(Step(n=1), delay=5, run_at=datetime.now(UTC))])
+    with pytest.raises(TypeError, match="build payloads take no options"):
+        Job(Update.__new__(Update))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not str"):
+        await queue.enqueue_many(["step"])  # type: ignore[list-item]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+
+
+async def test_enqueue_many_takes_unique_jobs_in_order_and_answers_each_holder(
+    queue: Queue,
+) -> None:
+    """Unique jobs (by `unique=`, by the type's key) go in the batch: a held key
+    inserts nothing and answers its holder, held before the batch or earlier in
+    it; the others are inserted in the order given."""
+    from nasiko_queue import Job
+    held = await queue.enqueue(Step(n=-1), unique=Unique("k"))
+    ids = await queue.enqueue_many([
+        Step(n=0),
+        Job(Step(n=1), unique=Unique("k")),                 # held before the batch
+        Job(Step(n=2), unique=Unique("j")),
+        Job(Step(n=3), unique=Unique("j")),                 # held by the one before
+        OncePerUser(user="ann"),                            # the type's key
+        OncePerUser(user="ann"),
+        Step(n=4),
+    ])
+    assert ids[1] == held
+    assert ids[3] == ids[2]
+    assert ids[5] == ids[4]
+    assert len(set(ids)) == 5
+    order = [r["id"] for r in await queue.db.fetch(
+        "SELECT id FROM nasiko_queue_jobs WHERE queue = 'default' ORDER BY priority, run_at")]
+    assert order == [held, ids[0], ids[2], ids[4], ids[6]]
+    rows = await _rows(queue.db, [ids[2], ids[4]])
+    assert [r["unique_key"] for r in rows] == ["j", "user:ann"]
+    # Once the holder has ended, the key is free again (the default states).
+    await queue.cancel(held)
+    [again] = await queue.enqueue_many([Job(Step(n=5), unique=Unique("k"))])
+    assert again != held
+
+
+async def test_enqueue_many_with_unique_jobs_in_a_transaction_and_in_chunks(
+    queue: Queue,
+) -> None:
+    from nasiko_queue import Job
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK
+    async with queue.db.transaction() as tx:
+        first = await queue.enqueue_many([Job(Step(n=0), unique=Unique("t"))], tx=tx)
+        again = await queue.enqueue_many(
+            [Step(n=1), Job(Step(n=2), unique=Unique("t"))], tx=tx)
+    assert again[1] == first[0]
+    n = ENQUEUE_MANY_CHUNK + 500                    # two statements, pipelined
+    batch: list[Any] = [Step(n=i) for i in range(n)]
+    batch[10] = Job(Step(n=10), unique=Unique("t"))
+    batch[-1] = Job(Step(n=n), unique=Unique("t"))
+    batch[-2] = Job(Step(n=n), unique=Unique("late"))
+    ids = await queue.enqueue_many(batch)
+    assert ids[10] == ids[-1] == first[0]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 2 + n - 2
+    order = [r["id"] for r in await queue.db.fetch(
+        "SELECT id FROM nasiko_queue_jobs ORDER BY run_at")]
+    assert order[2:] == [i for k, i in enumerate(ids) if k not in (10, n - 1)]
+
+
+async def test_enqueue_json_writes_what_enqueue_writes_without_the_type(queue: Queue) -> None:
+    """`Queue.enqueue_json(kind, args)`, behind `nasiko-queue enqueue` (issue #21)."""
+    from nasiko_queue import InvalidPayload
+    typed = await queue.enqueue(SendEmail(to="a@example.com"))
+    untyped = await queue.enqueue_json("send_email", {"to": "a@example.com",
+                                                      "subject": "hello"},
+                                       options=JobOptions(queue="email", max_attempts=3))
+    rows = [await queue.db.fetchrow("SELECT queue, kind, payload::jsonb AS p, max_attempts "
+                                    "FROM nasiko_queue_jobs WHERE id = $1", i)
+            for i in (typed, untyped)]
+    assert dict(rows[0]) == dict(rows[1])
+    held = await queue.enqueue_json("step", {}, unique=Unique("one"))
+    assert await queue.enqueue_json("step", {"n": 1}, unique=Unique("one")) == held
+    for kind, args, message in [("step", {"text": "a\x00b"}, "NUL character"),
+                                ("step", {"x": float("nan")}, "not JSON"),
+                                ("Update", {}, "build job's kind"),
+                                ("step", ["n"], "must be a JSON object")]:
+        with pytest.raises(InvalidPayload, match=message):
+            await queue.enqueue_json(kind, args)  # type: ignore[arg-type]

@@ -51,7 +51,7 @@ async def _expect_failure(dsn: str, machine: type[QueueStateMachine], *,
 
 
 def cap_off_by_one(self: JobExecutor, job: ClaimedJob) -> bool:
-    return job.old_attempt > self.config.max_attempts  # bug: > instead of >=
+    return job.old_attempt > self.config.build_max_attempts  # bug: > instead of >=
 
 
 async def reset_keeps_picked_at(self: PgJobStore, job: ClaimedJob) -> bool:
@@ -95,7 +95,7 @@ async def endless_crash_retries(self: JobExecutor, job: ClaimedJob,
 
 async def fails_an_attempt_early(self: JobExecutor, job: ClaimedJob,
                                  build_id: UUID | None) -> None:
-    if job.old_attempt + 2 >= self.config.max_attempts:  # bug: + 2
+    if job.old_attempt + 2 >= self.config.build_max_attempts:  # bug: + 2
         await self._fail(job, nasiko_queue.builds.executor.JOB_PANICKED, own_build_id=build_id)
     else:
         await self.retry.final("reset", lambda: self.store.reset(job))

@@ -150,7 +150,7 @@ async def test_cap_is_checked_before_running(queue: Queue, stored_attempt: int, 
 async def test_cap_follows_configured_max_attempts(db: Any) -> None:
     from .conftest import FAST, MASTER_KEY
 
-    queue = Queue(db, config=QueueConfig(**{**_fields(FAST), "max_attempts": 5}),
+    queue = Queue(db, config=QueueConfig(**{**_fields(FAST), "build_max_attempts": 5}),
                   secrets=MASTER_KEY)
     runs: list[int] = []
 

@@ -40,6 +40,9 @@ from ..queue import CancelResult, cancel_plain_job
 STATES = ("available", "running", "completed", "discarded", "cancelled")
 #: States a job has for good: only these can be discarded.
 FINISHED_STATES = ("completed", "discarded", "cancelled")
+#: The state a `JobFilter` (and `nasiko-queue jobs ...`) is about unless told:
+#: the dead letters.
+DEFAULT_STATE = "discarded"
 #: Default page size of a listing.
 DEFAULT_LIMIT = 50
 #: Page size used to collect every job a bulk retry or discard matches.
@@ -74,14 +77,16 @@ class JobFilter:
     """
     Which jobs a listing, bulk retry or bulk discard is about; None means any.
 
-    `state` defaults to "discarded": the dead-letter queue. `older_than` is the
-    age of the job's `at` (when it ended, or was created while it has not).
+    `state` defaults to "discarded": the dead-letter queue, as the CLI's
+    ``--state`` does (`DEFAULT_STATE`); ``state=None`` (the CLI's ``--state any``)
+    is every state. `older_than` is the age of the job's `at` (when it ended, or
+    was created while it has not).
     `limit` is a listing's page size; bulk operations act on every match.
     """
 
     queue: str | None = None
     kind: str | None = None
-    state: str | None = attrs.field(default="discarded", validator=_state)
+    state: str | None = attrs.field(default=DEFAULT_STATE, validator=_state)
     older_than: timedelta | None = attrs.field(default=None, validator=_positive)
     limit: int = attrs.field(default=DEFAULT_LIMIT, validator=_limit)
 
@@ -108,6 +113,16 @@ class JobSummary:
     target_deleted: bool
     agent_id: UUID | None
     connector_id: UUID | None
+    #: Plain jobs only: not claimable before this time (when a retry is due, for
+    #: a job waiting after a failed attempt).
+    run_at: datetime | None = None
+    #: Plain jobs only: lower runs first within a queue.
+    priority: int | None = None
+    #: When its last attempt was claimed (a build job's `picked_at`); None until
+    #: it first runs.
+    attempted_at: datetime | None = None
+    #: The worker running it (its last claim's, for a plain job that ended).
+    claimed_by: UUID | None = None
 
     @property
     def cursor(self) -> str:
@@ -164,9 +179,20 @@ async def _all_matching(db: Database, where: JobFilter) -> list[JobSummary]:
         after = batch[-1].cursor
 
 
-async def count_matching(db: Database, where: JobFilter) -> int:
-    """How many jobs a bulk retry or discard with `where` would be about."""
-    return len(await _all_matching(db, where))
+async def count_jobs(db: Database, where: JobFilter | None = None) -> int:
+    """
+    How many jobs `where` matches over every page of `list_jobs` (its `limit`
+    aside): what a bulk retry or discard with it would be about. One statement,
+    no paging.
+    """
+    where = where or JobFilter()
+    count: int = await db.fetchval(Q.jobs_count, where.queue, where.kind, where.state,
+                                   where.older_than)
+    return count
+
+
+#: The name it had first.
+count_matching = count_jobs
 
 
 # -- retry ------------------------------------------------------------------------

@@ -34,8 +34,9 @@ class JobView:
 
     `status` is the row's own word (a build job's `failed`, a plain job's
     `discarded`); `state` is the listing's (`nasiko_queue.job_admin`), the same
-    for every table. For a plain job, `picked_at` is when its last attempt
-    started and `completed_at` when it ended.
+    for every table. A plain job's own words for `picked_at` and `completed_at`
+    are `attempted_at` (when its last attempt was claimed) and `finished_at`;
+    `shown()` and `to_json()` speak each job's words.
     """
 
     id: UUID
@@ -66,11 +67,42 @@ class JobView:
     run_at: datetime | None = None
     priority: int | None = None
 
+    @property
+    def attempted_at(self) -> datetime | None:
+        """When its last attempt was claimed (a build job's `picked_at`)."""
+        return self.picked_at
+
+    @property
+    def finished_at(self) -> datetime | None:
+        """When it ended (a build job's `completed_at`)."""
+        return self.completed_at
+
+    def shown(self) -> list[tuple[str, Any]]:
+        """The fields `nasiko-queue job` shows, in the job's own words, in order."""
+        names = PLAIN_FIELDS if self.source == "plain" else BUILD_FIELDS
+        return [(name, getattr(self, name)) for name in names]
+
     def to_json(self) -> dict[str, Any]:
-        view = {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobView)
-                if f.name != "errors"}
+        if self.source == "plain":
+            view = {name: plain_json(value) for name, value in self.shown()}
+            view["status"] = self.status
+            view["id"] = plain_json(self.id)
+            view["payload"] = self.payload
+        else:
+            view = {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobView)
+                    if f.name != "errors"}
         view["errors"] = [e.to_json() for e in self.errors]
         return view
+
+
+#: A plain job's fields as `nasiko-queue job` shows them.
+PLAIN_FIELDS = ("source", "queue", "kind", "state", "priority", "attempt", "max_attempts",
+                "error_msg", "created_at", "run_at", "attempted_at", "finished_at",
+                "claimed_by")
+#: A build job's (or a kept copy's) fields, in its table's words.
+BUILD_FIELDS = ("source", "queue", "kind", "status", "attempt", "error_msg", "agent_id",
+                "connector_id", "owner_id", "created_at", "picked_at", "completed_at",
+                "claimed_by")
 
 
 def mask_payload(payload: Any, types: tuple[type[Payload], ...] = BUILTIN_PAYLOAD_TYPES) -> Any:

@@ -115,7 +115,7 @@ class JobExecutor(Slots[JobStore]):
 
     def _out_of_attempts(self, job: ClaimedJob) -> bool:
         """The cap (step 1): this claim is one more than MAX_ATTEMPTS allows."""
-        return job.old_attempt >= self.config.max_attempts
+        return job.old_attempt >= self.config.build_max_attempts
 
     async def reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
         """
@@ -125,7 +125,7 @@ class JobExecutor(Slots[JobStore]):
         failed with attempt = MAX_ATTEMPTS; otherwise it goes back to the front
         of the queue, and this drain retries it at once.
         """
-        if job.old_attempt + 1 >= self.config.max_attempts:
+        if job.old_attempt + 1 >= self.config.build_max_attempts:
             await self._fail(job, JOB_PANICKED, own_build_id=build_id)
         else:
             try:

@@ -316,7 +316,7 @@ class PgJobStore:
         cancelled if asked. Any number of replicas may sweep at once.
         """
         mins = self._config.stuck_job_mins
-        max_attempts = self._config.max_attempts
+        max_attempts = self._config.build_max_attempts
         failed = skipped = 0
         tried: list[UUID] = []
         while True:
@@ -454,14 +454,14 @@ class PgJobStore:
         failed = skipped = 0
         while True:
             rows = await self._db.fetch(Q.jobs_held_by_dead_exhausted,
-                                        self._config.max_attempts, SWEEP_BATCH)
+                                        self._config.build_max_attempts, SWEEP_BATCH)
             for row in rows:
                 outcome = await self._fail_stuck(row, held_by=row["claimed_by"])
                 failed += outcome == "failed"
                 skipped += outcome == "skipped"
             if len(rows) < SWEEP_BATCH or skipped:
                 break
-        row = await self._db.fetchrow(Q.jobs_rescue, self._config.max_attempts,
+        row = await self._db.fetchrow(Q.jobs_rescue, self._config.build_max_attempts,
                                       self._config.notify_channel)
         rescued = int(row["rescued"]) if row is not None else 0
         row = await self._db.fetchrow(Q.plain_rescue, self._config.notify_channel)

@@ -14,7 +14,7 @@ per try and waits for it (docs/rules.md §5), as it does for an outage once runn
 
 The commands live by group, each module registering its own on `main`:
 `common` (the `main` group, the operator's errors, the shared options),
-`worker`, `jobs` (`job`, `jobs list|retry|cancel|discard`), `web` (`dashboard`),
+`worker`, `jobs` (`job`, `jobs list|retry|cancel|discard`, `enqueue`), `web` (`dashboard`),
 `operations` (`migrate`, `status`, `prune`, `keygen`) and `tools` (`demo`,
 `bench`).
 """

@@ -564,7 +564,7 @@ async def _stage(queue: Queue, scenario: Scenario) -> Staged:
         env={_DEMO_ENV_KEY: secret} if secret else None,
     )
     if scenario.setup is Setup.ATTEMPTS_USED:
-        await queue.db.execute(Q.job_set_attempt, enqueued.job_id, queue.config.max_attempts)
+        await queue.db.execute(Q.job_set_attempt, enqueued.job_id, queue.config.build_max_attempts)
     return Staged(scenario=scenario, job_id=enqueued.job_id, build_id=enqueued.build_id,
                   target_id=enqueued.target_id, secret=secret)
 

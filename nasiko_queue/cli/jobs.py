@@ -1,6 +1,6 @@
 """
-`nasiko-queue job` and `nasiko-queue jobs`: one job's view; list, retry, cancel and
-discard jobs (the dead letters).
+`nasiko-queue job`, `nasiko-queue jobs` and `nasiko-queue enqueue`: one job's view;
+list, retry, cancel and discard jobs (the dead letters); enqueue a plain job.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import click
@@ -16,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..admin.jobs import (
+    DEFAULT_STATE,
     STATES,
     BulkResult,
     JobFilter,
@@ -23,7 +25,7 @@ from ..admin.jobs import (
     JobRefused,
     JobSummary,
     cancel,
-    count_matching,
+    count_jobs,
     discard,
     discard_matching,
     list_jobs,
@@ -31,8 +33,12 @@ from ..admin.jobs import (
     retry_matching,
 )
 from ..admin.view import JobView, job_view
+from ..config import QueueConfig
 from ..db.database import Database, open_database
+from ..errors import InvalidPayload
 from ..job_errors import JobError, job_errors
+from ..plain.args import DEFAULT_QUEUE, JobOptions, Unique
+from ..queue import Queue, plain_json_payload
 from .common import (
     OperatorError,
     _Age,
@@ -83,10 +89,9 @@ def job_command(job_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
         if view.target_deleted:
             console.print(f"[yellow]a kept copy: its target was deleted with it at "
                           f"{view.deleted_at} (it cannot be retried)[/]")
-        for name in ("source", "queue", "kind", "status", "attempt", "max_attempts",
-                     "error_msg", "agent_id", "connector_id", "owner_id", "created_at",
-                     "run_at", "picked_at", "completed_at", "claimed_by"):
-            value = getattr(view, name)
+        for name, value in view.shown():
+            if name == "error_msg" and view.source == "plain":
+                name = "error"
             row.add_row(name, "-" if value is None else escape(str(value)))
         console.print(row)
         console.print(escape(json.dumps(view.payload, indent=2)))
@@ -121,8 +126,10 @@ def _filter_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed((
         click.option("--queue", default=None, help='Only this queue ("builds": build jobs).'),
         click.option("--kind", default=None, help="Only this kind."),
-        click.option("--state", type=click.Choice((*STATES, _ANY)), default="discarded",
-                     show_default=True, help="Only jobs in this state (any: all)."),
+        click.option("--state", type=click.Choice((*STATES, _ANY)), default=DEFAULT_STATE,
+                     show_default=True,
+                     help="Only jobs in this state; any: every state. The default, the "
+                          "dead letters, is JobFilter's too."),
         click.option("--older-than", default=None, metavar="DURATION",
                      callback=_parse_optional_age,
                      help="Only jobs that ended (or, unfinished, were created) longer "
@@ -202,7 +209,7 @@ def _bulk_command(verb: str, one: Callable[[Database, uuid.UUID], Awaitable[obje
         async with open_database(dsn) as db:
             if all_matching:
                 if not yes:
-                    return await count_matching(db, where)
+                    return await count_jobs(db, where)
                 return await matching(db, where)
             done: list[uuid.UUID] = []
             refused: list[tuple[uuid.UUID, str]] = []
@@ -307,3 +314,80 @@ def jobs_cancel_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None) -> None
             failed = True
     if failed:
         sys.exit(1)
+
+
+# -- enqueue ----------------------------------------------------------------------
+
+
+def _parse_run_at(_ctx: click.Context, _param: click.Parameter,
+                  value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO 8601 time, e.g. "
+                                 "2030-01-01T09:00:00+00:00") from None
+    if at.tzinfo is None:
+        raise click.BadParameter(f"{value!r} has no UTC offset; add one, e.g. "
+                                 f"{value}+00:00 (or Z)")
+    return at
+
+
+@main.command("enqueue", short_help="Enqueue a plain job; print its id.")
+@click.argument("kind")
+@click.argument("args_json", metavar="JSON", default="{}")
+@dsn_option
+@click.option("--queue", default=DEFAULT_QUEUE, show_default=True,
+              help="The queue it goes to (a worker runs the queues it is given).")
+@click.option("--priority", type=click.IntRange(-32768, 32767), default=0, show_default=True,
+              help="Lower runs first within its queue.")
+@click.option("--run-at", default=None, metavar="ISO", callback=_parse_run_at,
+              help="Not before this time (ISO 8601 with a UTC offset).")
+@click.option("--delay", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Not before this many seconds from now.")
+@click.option("--unique", "unique_key", default=None, metavar="KEY",
+              help="Only if no waiting or running job holds KEY; else print that "
+                   "job's id.")
+@click.option("--max-attempts", type=click.IntRange(min=1),
+              default=JobOptions().max_attempts, show_default=True,
+              help="Runs before the job is discarded.")
+def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str, priority: int,
+                    run_at: datetime | None, delay: float | None, unique_key: str | None,
+                    max_attempts: int) -> None:
+    """
+    Enqueue a plain job of KIND whose arguments are the JSON object JSON (default
+    {}), and print its id: the row `Queue.enqueue` writes for a job of that kind
+    with those fields. KIND need not be known here; the worker that runs it
+    decodes the arguments (a field it does not know discards the job as
+    invalid). With --unique, a key held by a waiting or running job enqueues
+    nothing and prints that job's id (and says so on stderr).
+
+        nasiko-queue enqueue send_email '{"to": "a@example.com"}' --queue email
+    """
+    try:
+        args = json.loads(args_json)
+        if not isinstance(args, dict):
+            raise InvalidPayload(f"JSON must be an object of the job's fields, not "
+                                 f"{type(args).__name__} {args_json!r}")
+        plain_json_payload(kind, args)
+        if run_at is not None and delay is not None:
+            raise InvalidPayload("give --run-at or --delay, not both")
+        options = JobOptions(queue=queue, priority=priority, max_attempts=max_attempts)
+        unique = Unique(unique_key) if unique_key is not None else None
+    except json.JSONDecodeError as exc:
+        raise OperatorError(f"JSON is not valid JSON ({exc})") from None
+    except (InvalidPayload, ValueError) as exc:
+        raise OperatorError(str(exc)) from None
+    dsn = _require_dsn(dsn)
+
+    async def go() -> tuple[uuid.UUID, bool]:
+        async with open_database(dsn) as db:
+            return await Queue(db, config=QueueConfig())._enqueue_json(
+                kind, args, run_at=run_at, delay=delay, options=options, unique=unique)
+
+    job_id, inserted = _run(dsn, go)
+    if not inserted:
+        click.echo(f"job {job_id} already holds unique key {unique_key!r}: nothing enqueued",
+                   err=True)
+    click.echo(str(job_id))

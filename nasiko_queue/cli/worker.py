@@ -260,10 +260,14 @@ def _parse_http(_ctx: click.Context, _param: click.Parameter,
 @click.option("--recovery-interval", type=click.FloatRange(min=0, min_open=True),
               default=QueueConfig().recovery_interval, show_default=True,
               help="Seconds between sweeps for stuck jobs.")
-@click.option("--max-attempts", type=click.IntRange(min=1),
-              default=QueueConfig().max_attempts, show_default=True,
-              help="Runs per job (a crash is retried at once while runs remain) before it "
-                   "fails for good. Replicas sharing a table should agree on it.")
+@click.option("--build-max-attempts", type=click.IntRange(min=1),
+              default=QueueConfig().build_max_attempts, show_default=True,
+              help="Runs per build job (a crash is retried at once while runs remain) "
+                   "before it fails for good. Replicas sharing a table should agree on it. "
+                   "Plain jobs have their own (JobOptions.max_attempts).")
+@click.option("--max-attempts", "old_max_attempts", type=click.IntRange(min=1), default=None,
+              hidden=True, deprecated="use --build-max-attempts",
+              help="The former name of --build-max-attempts.")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
               default=QueueConfig().heartbeat_interval, show_default=True,
               help="Seconds between heartbeats of this worker's row.")
@@ -314,7 +318,8 @@ def worker_command(
     poll_interval: float,
     stuck_job_mins: int,
     recovery_interval: float,
-    max_attempts: int,
+    build_max_attempts: int,
+    old_max_attempts: int | None,
     heartbeat_interval: float,
     lease: float,
     rescue_interval: float,
@@ -364,7 +369,9 @@ def worker_command(
     try:
         config = QueueConfig(concurrency=concurrency, prefetch=prefetch,
                              poll_interval=poll_interval, stuck_job_mins=stuck_job_mins,
-                             recovery_interval=recovery_interval, max_attempts=max_attempts,
+                             recovery_interval=recovery_interval,
+                             build_max_attempts=build_max_attempts
+                             if old_max_attempts is None else old_max_attempts,
                              heartbeat_interval=heartbeat_interval, lease=lease,
                              rescue_interval=rescue_interval, maintenance=maintenance,
                              job_timeout=job_timeout, queues=queues, builds=builds,

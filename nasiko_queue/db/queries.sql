@@ -924,6 +924,47 @@ FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::
      (SELECT pg_notify($9::text, '')) AS notify
 ORDER BY n;
 
+-- name: plain_insert_many_unique
+-- `plain_insert_many` for a batch with unique jobs: $9 their unique keys (NULL: not
+-- unique), $10 the states each is unique within, comma-separated. A job that meets
+-- its key (held by an earlier job, or by one earlier in the batch) inserts nothing;
+-- the answer is the ids inserted, as one array (`enqueue_many` looks up the holder
+-- of each key that is missing, as `plain_unique_holder`).
+WITH inserted AS (
+    INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                                   unique_key, unique_states)
+    SELECT i, q, k, p::jsonb, pr, m,
+           coalesce(r, clock_timestamp() + make_interval(secs => d)),
+           u, string_to_array(us, ',')
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+                $7::timestamptz[], $8::double precision[], $9::text[], $10::text[])
+         WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, u, us, n)
+    ORDER BY n
+    ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+    DO NOTHING
+    RETURNING id
+)
+SELECT coalesce(array_agg(id), '{}') FROM inserted;
+
+-- name: plain_insert_many_unique_notify
+-- `plain_insert_many_unique` and a NOTIFY on channel $11, in one statement.
+WITH inserted AS (
+    INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
+                                   unique_key, unique_states)
+    SELECT i, q, k, p::jsonb, pr, m,
+           coalesce(r, clock_timestamp() + make_interval(secs => d)),
+           u, string_to_array(us, ',')
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::smallint[], $6::int[],
+                $7::timestamptz[], $8::double precision[], $9::text[], $10::text[])
+         WITH ORDINALITY AS b(i, q, k, p, pr, m, r, d, u, us, n),
+         (SELECT pg_notify($11::text, '')) AS notify
+    ORDER BY n
+    ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
+    DO NOTHING
+    RETURNING id
+)
+SELECT coalesce(array_agg(id), '{}') FROM inserted;
+
 -- name: plain_claim
 -- Take up to $2 available jobs of queue $1 that are due, by priority then due
 -- time, marked with claim token $3 and worker $4; none while the queue is paused
@@ -1187,7 +1228,8 @@ FROM nasiko_queue_jobs WHERE id = $1;
 SELECT * FROM (
     SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
            error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
-           false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id
+           false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
+           run_at, priority::int AS priority, attempted_at, claimed_by
     FROM nasiko_queue_jobs
     WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
       AND ($3::text IS NULL OR state = $3)
@@ -1196,7 +1238,8 @@ SELECT * FROM (
            CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
                        WHEN 'done' THEN 'completed' ELSE 'discarded' END,
            attempt, NULL::int, error_msg, created_at, completed_at,
-           coalesce(completed_at, created_at), false, agent_id, connector_id
+           coalesce(completed_at, created_at), false, agent_id, connector_id,
+           NULL::timestamptz, NULL::int, picked_at, claimed_by
     FROM build_jobs
     WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
       AND ($3::text IS NULL
@@ -1205,7 +1248,7 @@ SELECT * FROM (
     UNION ALL
     SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
            error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
-           agent_id, connector_id
+           agent_id, connector_id, NULL::timestamptz, NULL::int, picked_at, NULL::uuid
     FROM nasiko_queue_deleted_build_jobs
     WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
       AND ($3::text IS NULL OR $3 = 'discarded')
@@ -1214,6 +1257,29 @@ WHERE ($4::interval IS NULL OR j.at < now() - $4::interval)
   AND ($5::timestamptz IS NULL OR (j.at, j.id) < ($5::timestamptz, $6::uuid))
 ORDER BY j.at DESC, j.id DESC
 LIMIT $7;
+
+-- name: jobs_count
+-- How many jobs `jobs_list` would list over every page: $1 queue, $2 kind, $3
+-- state, $4 older than, as there. Build jobs count only when the queue is NULL or
+-- "builds".
+SELECT (SELECT count(*) FROM nasiko_queue_jobs
+        WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+          AND ($3::text IS NULL OR state = $3)
+          AND ($4::interval IS NULL OR coalesce(finished_at, created_at) < now() - $4))
+     + (SELECT count(*) FROM build_jobs
+        WHERE ($1::text IS NULL OR $1 = 'builds')
+          AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+          AND ($3::text IS NULL
+               OR status = CASE $3 WHEN 'available' THEN 'pending'
+                                   WHEN 'running' THEN 'in_progress'
+                                   WHEN 'completed' THEN 'done'
+                                   WHEN 'discarded' THEN 'failed' END)
+          AND ($4::interval IS NULL OR coalesce(completed_at, created_at) < now() - $4))
+     + (SELECT count(*) FROM nasiko_queue_deleted_build_jobs
+        WHERE ($1::text IS NULL OR $1 = 'builds')
+          AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+          AND ($3::text IS NULL OR $3 = 'discarded')
+          AND ($4::interval IS NULL OR coalesce(completed_at, deleted_at) < now() - $4));
 
 -- name: plain_lock
 -- A plain job's state and unique key, its row locked until the retry or discard

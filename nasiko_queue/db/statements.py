@@ -105,6 +105,8 @@ class Queries:
     plain_unique_holder: str
     plain_insert_many: str
     plain_insert_many_notify: str
+    plain_insert_many_unique: str
+    plain_insert_many_unique_notify: str
     plain_claim: str
     plain_finish_many_and_claim: str
     plain_retry: str
@@ -122,6 +124,7 @@ class Queries:
     deleted_build_jobs_prune: str
     # -- dead-letter queue and job listings
     jobs_list: str
+    jobs_count: str
     plain_lock: str
     plain_requeue: str
     plain_delete_finished: str

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 from uuid import UUID
 
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_QUEUE",
     "JOB_STATES",
     "Backoff",
+    "Job",
     "JobArgs",
     "JobOptions",
     "Unique",
@@ -165,3 +167,35 @@ class JobArgs(abc.ABC):
     def secret_owner(self) -> UUID | None:
         """Whose key seals the secret fields: one key for every plain job."""
         return PLAIN_SECRET_OWNER
+
+
+def _job_args(_inst: object, _attr: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, JobArgs):
+        raise TypeError(
+            f"Job wraps a plain job's JobArgs, got {type(value).__name__}: build payloads "
+            "take no options, run_at, delay or unique key; give them to enqueue_many bare")
+
+
+@attrs.frozen
+class Job:
+    """
+    One plain job of `Queue.enqueue_many` with what `Queue.enqueue` would take
+    beside it: ``enqueue_many([Job(SendEmail(...), options=JobOptions(queue="qa"),
+    delay=60), SendEmail(...)])``. Bare `JobArgs` in the same list take their
+    type's options, as before.
+
+    Args:
+        args: the job.
+        options: instead of the type's `options` (its queue, priority, attempts,
+            uniqueness).
+        run_at, delay: not claimable before this aware datetime, or before this
+            many seconds from now (one of the two).
+        unique: enqueue only if no job holds this key (see `Unique`); else the
+            holder's id is returned in this job's place.
+    """
+
+    args: JobArgs = attrs.field(validator=_job_args)
+    options: JobOptions | None = attrs.field(default=None, kw_only=True)
+    run_at: datetime | None = attrs.field(default=None, kw_only=True)
+    delay: float | timedelta | None = attrs.field(default=None, kw_only=True)
+    unique: Unique | None = attrs.field(default=None, kw_only=True)

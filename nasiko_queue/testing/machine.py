@@ -260,7 +260,7 @@ class QueueStateMachine(DatabaseMachine):
         self.queue = self.make_queue(self.env.db)
         self.executors = self.make_executors(self.world)
         known = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES) | self.executors.kinds
-        self.model = QueueModel(max_attempts=self.config.max_attempts,
+        self.model = QueueModel(max_attempts=self.config.build_max_attempts,
                                 runnable=self.executors.kinds, known=known,
                                 stuck_job_mins=self.config.stuck_job_mins)
         self.known = known
@@ -598,7 +598,7 @@ class QueueStateMachine(DatabaseMachine):
         The oldest job kills its worker every time it runs: claim, die, an hour
         passes, the sweep — until the sweep gives up on it (MAX_ATTEMPTS runs).
         """
-        for _ in range(self.config.max_attempts + 1):
+        for _ in range(self.config.build_max_attempts + 1):
             self.crash_after_claim()
             self._age(self.config.stuck_job_mins + 1)
             self.recovery_sweep()
@@ -795,7 +795,7 @@ class QueueStateMachine(DatabaseMachine):
     def _check_history(self, jobs: dict[UUID, tuple[Any, ...]]) -> None:
         for job_id, row in jobs.items():
             # A job runs at most MAX_ATTEMPTS times.
-            assert self.world.runs[job_id] <= self.config.max_attempts, (
+            assert self.world.runs[job_id] <= self.config.build_max_attempts, (
                 f"job {job_id} ran {self.world.runs[job_id]} times")
             # Attempt never decreases.
             assert row[1] >= self.attempts.get(job_id, 0), f"attempt of {job_id} went down"
