@@ -48,12 +48,14 @@ import attrs
 
 from ..admin import jobs as job_admin
 from ..admin.jobs import JobFilter, JobNotFound, JobRefused
+from ..admin.operator import job_events
 from ..admin.status import queue_status
 from ..admin.view import job_view
 from ..config import QueueConfig
 from ..db.database import Database
 from ..db.statements import Q
 from ..plain.schedules import Schedule
+from .pages import operator_routes, queue_health, refresh_context
 
 _HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "nq_session"
@@ -153,6 +155,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         paused = await job_admin.paused_queues(db)
         # An aggregate without GROUP BY always returns exactly one row.
         builds = dict(await db.fetchrow(Q.build_queue_counts) or {})
+        queues: list[dict[str, Any]]
         queues = [{"name": q.queue, "available": q.available, "scheduled": q.scheduled,
                        "running": q.running, "completed": q.completed, "discarded": q.discarded,
                        "cancelled": q.cancelled, "paused": paused.get(q.queue), "pausable": True}
@@ -164,8 +167,17 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         queues.sort(key=lambda q: str(q["name"]))
         queues.insert(0, {"name": "builds", "scheduled": 0, "cancelled": 0, "paused": None,
                           "pausable": False, **builds})
+        health = await queue_health(db)
+        oldest = {q.queue: q.oldest_available_age for q in status.queues}
+        oldest["builds"] = status.oldest_pending_age
+        for q in queues:
+            name = str(q["name"])
+            q["oldest"] = oldest.get(name)
+            q["done_1m"], q["done_5m"] = health["throughput"].get(name, (0, 0))
+            q["unserved"] = health["unserved"].get(name)
         return dash.render(request, "overview.html", queues=queues,
-                           chart=await _throughput(db))
+                           unserved=list(health["unserved"].values()),
+                           chart=await _throughput(db), **refresh_context(request))
 
     async def jobs(request: Request) -> Response:
         params = request.query_params
@@ -201,6 +213,8 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
             ("target deleted", view.deleted_at)) if at is not None]
         timeline += [(f"attempt {e.attempt} failed ({e.reason})", e.at)
                      for e in view.errors if e.at is not None]
+        timeline += [(f"{e.action} by {e.actor}" + (f" ({e.detail})" if e.detail else ""),
+                      e.at) for e in await job_events(db, job_id)]
         timeline.sort(key=lambda t: t[1])
         return dash.render(request, "job.html", job=view, timeline=timeline,
                            payload=json.dumps(view.payload, indent=2, sort_keys=True,
@@ -208,7 +222,8 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
 
     async def workers(request: Request) -> Response:
         status = await queue_status(db, stuck_job_mins=dash.config.stuck_job_mins)
-        return dash.render(request, "workers.html", workers=status.workers)
+        return dash.render(request, "workers.html", workers=status.workers,
+                           **refresh_context(request))
 
     async def schedules_page(request: Request) -> Response:
         rows = {r["name"]: r for r in await db.fetch(Q.schedule_list)}
@@ -218,11 +233,13 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
             row = rows.pop(s.name, None)
             items.append({"name": s.name, "cron": s.cron, "timezone": s.timezone,
                               "last_tick": row["last_tick"] if row else None,
-                              "next_run": s.next_tick(now)})
+                              "next_run": s.next_tick(now), "recorded": row is not None,
+                              "paused": row["paused_at"] if row else None, "runnable": True})
         items += [{"name": name, "cron": None, "timezone": None, "last_tick": r["last_tick"],
-                       "next_run": None} for name, r in rows.items()]
+                       "next_run": None, "recorded": True, "paused": r["paused_at"],
+                       "runnable": False} for name, r in rows.items()]
         return dash.render(request, "schedules.html", schedules=items,
-                           known=bool(dash.schedules))
+                           known=bool(dash.schedules), **refresh_context(request))
 
     async def login_form(request: Request) -> Response:
         return dash.render(request, "login.html")
@@ -277,24 +294,29 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         return [UUID(str(v)) for v in form.getlist("id")]
 
     async def do_retry(_request: Request, form: Any) -> str:
-        return await _bulk(_ids(form), lambda i: job_admin.retry(db, i, dash.config), "retried")
+        return await _bulk(_ids(form), lambda i: job_admin.retry(db, i, dash.config,
+                                                                actor="dashboard"),
+                           "retried")
 
     async def do_cancel(_request: Request, form: Any) -> str:
-        return await _bulk(_ids(form), lambda i: job_admin.cancel(db, i), "cancelled")
+        return await _bulk(_ids(form), lambda i: job_admin.cancel(db, i, actor="dashboard"),
+                           "cancelled")
 
     async def do_discard(_request: Request, form: Any) -> str:
-        return await _bulk(_ids(form), lambda i: job_admin.discard(db, i), "discarded")
+        return await _bulk(_ids(form), lambda i: job_admin.discard(db, i, actor="dashboard"),
+                           "discarded")
 
     def _matching(form: Any) -> JobFilter:
         return JobFilter(queue=str(form.get("queue") or "") or None,
                          kind=str(form.get("kind") or "") or None, state="discarded")
 
     async def do_retry_matching(_request: Request, form: Any) -> str:
-        result = await job_admin.retry_matching(db, _matching(form), dash.config)
+        result = await job_admin.retry_matching(db, _matching(form), dash.config,
+                                               actor="dashboard")
         return _summary("retried", len(result.done), result.refused)
 
     async def do_discard_matching(_request: Request, form: Any) -> str:
-        result = await job_admin.discard_matching(db, _matching(form))
+        result = await job_admin.discard_matching(db, _matching(form), actor="dashboard")
         return _summary("discarded", len(result.done), result.refused)
 
     async def do_pause(_request: Request, form: Any) -> str:
@@ -323,6 +345,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         Route("/actions/discard-matching", action(do_discard_matching), methods=["POST"]),
         Route("/actions/pause", action(do_pause), methods=["POST"]),
         Route("/actions/resume", action(do_resume), methods=["POST"]),
+        *operator_routes(dash, action),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     return Starlette(routes=routes)
