@@ -1,0 +1,319 @@
+"""
+The operator's questions (issue #21): per-queue oldest due wait, throughput and
+unserved queues (dashboard, `status`, `/metrics`), running and scheduled jobs
+with "run now", search by kind and by argument, schedule pause/resume/run now,
+operator actions in a job's timeline, and self-refreshing pages. Real
+PostgreSQL, a real worker and Debian's chromium; no wall-clock waits (the
+worker's counters, rows, and Playwright's auto-waiting `expect` are the signals;
+the refresh test waits for a row the page can only show after refreshing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import trio
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from nasiko_queue import Database, JobOptions, Queue
+from nasiko_queue.admin import jobs as job_admin
+from nasiko_queue.admin import operator
+from nasiko_queue.admin.status import queue_status
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.engine.contracts import WorkerIdentity
+from nasiko_queue.plain.schedules import Schedule, Scheduler
+from nasiko_queue.web import pages as web_pages
+from nasiko_queue.web.dashboard import dashboard_app
+from nasiko_queue.web.metrics import Metrics
+
+from .conftest import FAST
+from .helpers import TEST_DEADLINE, running
+from .test_cli import invoke, runner, with_db  # noqa: F401  (runner: a fixture)
+from .test_dashboard import (  # noqa: F401  (work_queue, shots: fixtures)
+    TOKEN,
+    Behaviour,
+    Work,
+    _Browser,
+    _client,
+    _dead_job,
+    _login,
+    _login_in,
+    _state,
+    needs_chromium,
+    serving,
+    shots,
+    work_queue,
+)
+
+
+async def _register(db: Database, queues: dict[str, int], host: str = "box") -> uuid.UUID:
+    """A live worker row serving `queues` (as a worker's heartbeat service writes it)."""
+    store = PgJobStore(db, FAST, runnable_kinds=frozenset(), known_kinds=frozenset())
+    worker_id = uuid.uuid4()
+    await store.register_worker(WorkerIdentity(id=worker_id, host=host, pid=7, kinds=(),
+                                               queues=tuple(queues.items())))
+    return worker_id
+
+
+async def _unserved_rows(db: Database) -> None:
+    """Queue "work" served by a live worker; "nobody" and "ghost" served by none
+    ("ghost"'s only worker is dead); 2 jobs of "work" completed, one 3 minutes ago."""
+    queue = Queue(db, config=FAST)
+    await _register(db, {"work": 2, "builds": 1})
+    ghost = await _register(db, {"ghost": 1}, host="gone")
+    await db.execute("UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1", ghost)
+    await queue.enqueue(Work(note="served"))
+    await queue.enqueue(Work(note="lost"), options=JobOptions(queue="nobody"))
+    await queue.enqueue(Work(note="later"), options=JobOptions(queue="nobody"), delay=3600)
+    await queue.enqueue(Work(note="haunted"), options=JobOptions(queue="ghost"))
+    for minutes in (0, 3):
+        done = await queue.enqueue(Work(note=f"done {minutes}"))
+        await db.execute(
+            "UPDATE nasiko_queue_jobs SET state = 'completed', "
+            "finished_at = now() - make_interval(mins => $2) WHERE id = $1", done, minutes)
+
+
+async def test_status_names_unserved_queues_and_counts_throughput(db: Database) -> None:
+    await _unserved_rows(db)
+    status = await queue_status(db)
+    assert [(u.queue, u.waiting) for u in status.unserved] == [("ghost", 1), ("nobody", 2)]
+    work = next(q for q in status.queues if q.queue == "work")
+    assert (work.completed_1m, work.completed_5m) == (1, 2)
+    assert work.oldest_available_age is not None
+    live = [w for w in status.workers if w.alive]
+    assert [dict(w.queues or {}) for w in live] == [{"work": 2, "builds": 1}]
+    # A live worker of an older version (no queues recorded) may serve anything.
+    await db.execute("INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs) "
+                     "VALUES (gen_random_uuid(), 'old', 1, '{}', 60)")
+    assert (await queue_status(db)).unserved == ()
+
+
+def test_status_command_warns_about_unserved_queues(runner: CliRunner,  # noqa: F811
+                                                    dsn: str) -> None:
+    with_db(dsn, _unserved_rows)
+    result = invoke(runner, "status", "--dsn", dsn, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [(u["queue"], u["waiting"]) for u in data["unserved"]] == [
+        ("ghost", 1), ("nobody", 2)]
+    work = next(q for q in data["queues"] if q["queue"] == "work")
+    assert (work["completed_1m"], work["completed_5m"]) == (1, 2)
+    table = invoke(runner, "status", "--dsn", dsn)
+    assert "WARNING: queue 'nobody' has 2 waiting jobs and no live worker serves it" \
+        in table.stdout
+    assert "work×2" in table.stdout
+
+
+async def test_metrics_gauge_unserved_queues(db: Database) -> None:
+    await _unserved_rows(db)
+    text = (await Metrics(Queue(db, config=FAST)).scrape()).decode()
+    samples = {s.labels["queue"]: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "nasiko_queue_unserved_queue_jobs"}
+    assert samples == {"ghost": 1.0, "nobody": 2.0}
+
+
+async def test_a_worker_registers_the_queues_it_serves(work_queue: Queue) -> None:  # noqa: F811
+    async with running(work_queue, Behaviour(failing=False).executors()):
+        status = await queue_status(work_queue.db)
+    assert [dict(w.queues or {}) for w in status.workers if w.alive] == [{"work": 1}]
+
+
+async def test_operator_actions_are_kept_in_the_timeline(work_queue: Queue) -> None:  # noqa: F811
+    db = work_queue.db
+    dead = await _dead_job(work_queue)
+    await job_admin.retry(db, dead, work_queue.config, actor="cli")
+    assert await job_admin.cancel(db, dead, actor="api") == "cancelled"
+    later = await work_queue.enqueue(Work(note="later"), delay=3600)
+    app = dashboard_app(db, token=TOKEN, config=work_queue.config)
+    async with await _client(app) as client:
+        csrf = await _login(client)
+        r = await client.post("/actions/run-now", data={"id": str(later), "csrf": csrf})
+        assert r.status_code == 303
+        assert "msg=" in r.headers["location"]
+        r = await client.post("/actions/run-now", data={"id": str(dead), "csrf": csrf})
+        assert "error=" in r.headers["location"]  # cancelled: refused, said why
+        r = await client.post("/actions/discard", data={"id": str(dead), "csrf": csrf})
+        assert r.status_code == 303
+        page = (await client.get(f"/jobs/{later}")).text
+        assert "run now by dashboard" in page
+    assert [(e.action, e.actor) for e in await operator.job_events(db, dead)] == [
+        ("retried", "cli"), ("cancelled", "api"), ("discarded", "dashboard")]
+    row = await db.fetchrow(Q_RUN_AT, later)
+    assert row["due"]
+    with pytest.raises(job_admin.JobNotFound):
+        await operator.run_now(db, uuid.uuid4())
+
+
+Q_RUN_AT = "SELECT run_at <= now() AS due FROM nasiko_queue_jobs WHERE id = $1"
+
+
+async def test_search_by_kind_and_arguments(work_queue: Queue) -> None:  # noqa: F811
+    needle = await work_queue.enqueue(Work(note="needle"))
+    await work_queue.enqueue(Work(note="hay"))
+    found = await operator.search_jobs(work_queue.db, kind="work", args='{"note": "needle"}')
+    assert [j.id for j in found] == [needle]
+    assert await operator.search_jobs(work_queue.db, kind="other") == []
+    app = dashboard_app(work_queue.db, token=None)
+    async with await _client(app) as client:
+        r = await client.get("/search", params={"kind": "work", "args": '{"note": "hay"}'})
+        assert r.status_code == 200
+        assert r.text.count("data-job=") == 1
+        r = await client.get("/search", params={"args": "{note: hay"})
+        assert r.status_code == 400
+        assert "arguments: not valid JSON" in r.text
+        r = await client.get("/search", params={"args": "[1]"})
+        assert r.status_code == 400
+        assert "give a JSON object" in r.text
+
+
+async def test_a_paused_schedule_enqueues_nothing_until_resumed(work_queue: Queue) -> None:  # noqa: F811
+    db = work_queue.db
+    schedule = Schedule("every-minute", "* * * * *", Work(note="tick"))
+    scheduler = Scheduler(work_queue, [schedule])
+    t0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+    with pytest.raises(job_admin.JobRefused, match="not known yet"):
+        await operator.pause_schedule(db, schedule.name)
+    assert (await scheduler.run_once(t0)).recorded == ("every-minute",)
+    await operator.pause_schedule(db, schedule.name)
+    paused = await scheduler.run_once(t0 + timedelta(minutes=1))
+    assert (paused.enqueued, paused.skipped) == ((), ("every-minute",))
+    assert await operator.resume_schedule(db, schedule.name)
+    assert not await operator.resume_schedule(db, schedule.name)
+    resumed = await scheduler.run_once(t0 + timedelta(minutes=2))
+    assert [t.at for t in resumed.enqueued] == [t0 + timedelta(minutes=2)]
+
+
+# -- in a browser -----------------------------------------------------------------
+
+
+@needs_chromium
+async def test_browser_running_scheduled_run_now_and_refresh(
+    work_queue: Queue, shots: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    from playwright.sync_api import expect
+
+    monkeypatch.setattr(web_pages, "REFRESH_SECS", 1)
+    db = work_queue.db
+    await work_queue.enqueue(Work(note="lost"), options=JobOptions(queue="nobody"))
+    later = await work_queue.enqueue(Work(note="for later"), delay=3600)
+    app = dashboard_app(db, token=TOKEN, config=work_queue.config)
+    browser = _Browser(shots)
+    behaviour = Behaviour(failing=False, gate=trio.Event())
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page, \
+                running(work_queue, behaviour.executors()) as worker:
+
+            def empty_running_page() -> None:
+                _login_in(page, base)
+                page.goto(base + "/running")
+                expect(page.locator("tr[data-job]")).to_have_count(0)
+                expect(page.locator("meta[http-equiv=refresh]")).to_have_count(1)
+
+            await browser.do(empty_running_page)
+            # A job starts after the page was loaded: only a refresh shows it.
+            busy = await work_queue.enqueue(Work(note="busy"))
+            await worker.wait_for(lambda s: s.running >= 1)
+
+            def pages() -> None:
+                row = page.locator(f"tr[data-job='{busy}']")
+                # The page refreshed itself (every second here): waits for the row.
+                expect(row).to_be_visible(timeout=TEST_DEADLINE * 1000)
+                expect(row.locator("td.worker")).to_contain_text(f":{os.getpid()}")
+                browser.shot(page, "running")
+                page.goto(base + "/")
+                expect(page.locator("p.unserved[data-unserved=nobody]")).to_contain_text(
+                    "no live worker serves it")
+                expect(page.locator("tr[data-queue=nobody] td.qstate")).to_contain_text(
+                    "no worker")
+                expect(page.locator("tr[data-queue=nobody] td.oldest")).to_have_text(
+                    re.compile(r"\d+ s"))
+                browser.shot(page, "overview-health")
+                # Pause the refresh: the tag goes, and stays gone page after page.
+                page.click("#refresh-toggle")
+                expect(page.locator("#refresh-toggle")).to_have_text("Resume refresh")
+                expect(page.locator("meta[http-equiv=refresh]")).to_have_count(0)
+                page.click("nav >> text=Workers")
+                expect(page.locator("meta[http-equiv=refresh]")).to_have_count(0)
+                expect(page.locator("tr[data-worker] td.queues")).to_have_text("work × 1")
+                browser.shot(page, "workers-queues")
+                page.click("#refresh-toggle")
+                expect(page.locator("meta[http-equiv=refresh]")).to_have_count(1)
+                page.click("nav >> text=Scheduled")
+                row = page.locator(f"tr[data-job='{later}']")
+                expect(row.locator("td.run-at")).to_contain_text("UTC")
+                browser.shot(page, "scheduled")
+                row.locator("button:text('Run now')").click()
+                expect(page.locator("p.flash.ok")).to_have_text("1 job(s) due now")
+                expect(page.locator(f"tr[data-job='{later}']")).to_have_count(0)
+
+            await browser.do(pages)
+            assert behaviour.gate is not None
+            behaviour.gate.set()
+            await worker.wait_for(lambda s: s.done >= 2)
+
+            def timeline() -> None:
+                page.goto(f"{base}/jobs/{later}")
+                expect(page.locator("dd.state .badge")).to_have_text("completed")
+                expect(page.locator(".timeline")).to_contain_text("run now by dashboard")
+
+            await browser.do(timeline)
+    assert await _state(work_queue, later) == "completed"
+    assert browser.dialogs == []
+
+
+@needs_chromium
+async def test_browser_schedule_pause_run_now_and_search(
+    work_queue: Queue, shots: Path,  # noqa: F811
+) -> None:
+    from playwright.sync_api import expect
+
+    db = work_queue.db
+    schedule = Schedule("nightly", "0 3 * * *", Work(note="nightly run"))
+    await Scheduler(work_queue, [schedule]).run_once()  # recorded, nothing enqueued
+    needle = await work_queue.enqueue(Work(note="needle"))
+    await work_queue.enqueue(Work(note="hay"))
+    app = dashboard_app(db, token=TOKEN, config=work_queue.config, schedules=[schedule])
+    browser = _Browser(shots)
+    with trio.fail_after(TEST_DEADLINE * 2):
+        async with serving(app) as base, browser.page() as page:
+
+            def act() -> None:
+                _login_in(page, base)
+                page.click("nav >> text=Schedules")
+                row = page.locator("tr[data-schedule=nightly]")
+                expect(row.locator("td.sstate")).to_have_text("active")
+                row.locator("button:text('Pause')").click()
+                expect(page.locator("p.flash.ok")).to_have_text("schedule nightly paused")
+                expect(row.locator("td.sstate")).to_contain_text("paused")
+                browser.shot(page, "schedules-paused")
+                row.locator("button:text('Run now')").click()
+                expect(page.locator("p.flash.ok")).to_contain_text("schedule nightly: job")
+                page.click("nav >> text=Search")
+                page.fill("input[name=kind]", "work")
+                page.fill("input[name=args]", '{"note": "needle"}')
+                page.click("button:text('Search')")
+                expect(page.locator("tr[data-job]")).to_have_count(1)
+                expect(page.locator(f"tr[data-job='{needle}']")).to_be_visible()
+                browser.shot(page, "search")
+                page.fill("input[name=args]", '{"note": ')
+                page.click("button:text('Search')")
+                expect(page.locator("#search-error")).to_contain_text("not valid JSON")
+                page.click("nav >> text=Schedules")
+                row.locator("button:text('Resume')").click()
+                expect(page.locator("p.flash.ok")).to_have_text("schedule nightly resumed")
+
+            await browser.do(act)
+    paused = await db.fetchval("SELECT paused_at FROM nasiko_queue_schedules "
+                               "WHERE name = 'nightly'")
+    assert paused is None
+    ran = await operator.search_jobs(db, kind="work", args='{"note": "nightly run"}')
+    assert len(ran) == 1
+    assert [(e.action, e.actor, e.detail) for e in await operator.job_events(db, ran[0].id)] \
+        == [("run now", "dashboard", "schedule nightly")]
