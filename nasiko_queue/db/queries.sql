@@ -1185,34 +1185,58 @@ FROM nasiko_queue_jobs WHERE id = $1;
 -- kind, $3 state (the listing's names), $4 older than (an interval), each NULL
 -- for any; $5, $6 the (at, id) of the last job of the previous page (NULL: the
 -- first page); $7 the page size. Filters are parameters, never spliced in.
+-- Each table is read in the listing's order (the *_listing indexes, migration
+-- 0016) from the page's start, and stops after a page of matches: the bound
+-- is a row comparison with no OR, an index condition in any plan (a first page
+-- among 1,000,000 finished jobs: about 1 ms instead of 355 ms; measured by
+-- benchmarks/dashboard_scale.py).
 SELECT * FROM (
-    SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
-           error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
-           false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id
-    FROM nasiko_queue_jobs
-    WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
-      AND ($3::text IS NULL OR state = $3)
+    (SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
+            error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
+            false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id
+     FROM nasiko_queue_jobs
+     WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+       AND ($3::text IS NULL OR state = $3)
+       AND ($4::interval IS NULL OR coalesce(finished_at, created_at) < now() - $4::interval)
+       AND (coalesce(finished_at, created_at), id)
+           < (least(coalesce($5::timestamptz, 'infinity'),
+                    coalesce(now() - $4::interval, 'infinity')),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(finished_at, created_at) DESC, id DESC
+     LIMIT $7)
     UNION ALL
-    SELECT 'build', id, 'builds', payload ->> 'kind',
-           CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
-                       WHEN 'done' THEN 'completed' ELSE 'discarded' END,
-           attempt, NULL::int, error_msg, created_at, completed_at,
-           coalesce(completed_at, created_at), false, agent_id, connector_id
-    FROM build_jobs
-    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
-      AND ($3::text IS NULL
-           OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
-                               WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+    (SELECT 'build', id, 'builds', payload ->> 'kind',
+            CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
+                        WHEN 'done' THEN 'completed' ELSE 'discarded' END,
+            attempt, NULL::int, error_msg, created_at, completed_at,
+            coalesce(completed_at, created_at), false, agent_id, connector_id
+     FROM build_jobs
+     WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+       AND ($3::text IS NULL
+            OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
+                                WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+       AND ($4::interval IS NULL OR coalesce(completed_at, created_at) < now() - $4::interval)
+       AND (coalesce(completed_at, created_at), id)
+           < (least(coalesce($5::timestamptz, 'infinity'),
+                    coalesce(now() - $4::interval, 'infinity')),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(completed_at, created_at) DESC, id DESC
+     LIMIT $7)
     UNION ALL
-    SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
-           error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
-           agent_id, connector_id
-    FROM nasiko_queue_deleted_build_jobs
-    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
-      AND ($3::text IS NULL OR $3 = 'discarded')
+    (SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
+            error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
+            agent_id, connector_id
+     FROM nasiko_queue_deleted_build_jobs
+     WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+       AND ($3::text IS NULL OR $3 = 'discarded')
+       AND ($4::interval IS NULL OR coalesce(completed_at, deleted_at) < now() - $4::interval)
+       AND (coalesce(completed_at, deleted_at), id)
+           < (least(coalesce($5::timestamptz, 'infinity'),
+                    coalesce(now() - $4::interval, 'infinity')),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(completed_at, deleted_at) DESC, id DESC
+     LIMIT $7)
 ) AS j
-WHERE ($4::interval IS NULL OR j.at < now() - $4::interval)
-  AND ($5::timestamptz IS NULL OR (j.at, j.id) < ($5::timestamptz, $6::uuid))
 ORDER BY j.at DESC, j.id DESC
 LIMIT $7;
 
@@ -1516,30 +1540,43 @@ WHERE job_id = $1 ORDER BY at, id;
 -- Search jobs by kind and by their arguments: $1 kind (NULL: any), $2 a JSON
 -- document the job's payload must contain (jsonb containment, `@>`; NULL: any),
 -- $3 state (the listing's names; NULL: any), $4 queue (NULL: any), $5, $6 the
--- (at, id) of the last job of the previous page, $7 the page size. Newest
--- first, as `jobs_list`. Plain and build jobs (not the kept copies).
+-- (at, id) of the last job of the previous page (NULL: the first page), $7 the
+-- page size. Newest first, as `jobs_list`. Plain and build jobs (not the kept
+-- copies). Each table is read in the listing's order (the *_listing indexes,
+-- migration 0016) from the page's start, and stops after a page of matches:
+-- the keyset bound is a row comparison with no OR, an index condition in any
+-- plan, generic or custom.
 SELECT * FROM (
-    SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
-           error_msg, created_at, finished_at, run_at,
-           coalesce(finished_at, created_at) AS at
-    FROM nasiko_queue_jobs
-    WHERE ($1::text IS NULL OR kind = $1) AND ($2::jsonb IS NULL OR payload @> $2::jsonb)
-      AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR queue = $4)
+    (SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
+            error_msg, created_at, finished_at, run_at,
+            coalesce(finished_at, created_at) AS at
+     FROM nasiko_queue_jobs
+     WHERE ($1::text IS NULL OR kind = $1) AND ($2::jsonb IS NULL OR payload @> $2::jsonb)
+       AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR queue = $4)
+       AND (coalesce(finished_at, created_at), id)
+           < (coalesce($5::timestamptz, 'infinity'),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(finished_at, created_at) DESC, id DESC
+     LIMIT $7)
     UNION ALL
-    SELECT 'build', id, 'builds', payload ->> 'kind',
-           CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
-                       WHEN 'done' THEN 'completed' ELSE 'discarded' END,
-           attempt, NULL::int, error_msg, created_at, completed_at, created_at,
-           coalesce(completed_at, created_at)
-    FROM build_jobs
-    WHERE ($1::text IS NULL OR payload ->> 'kind' = $1)
-      AND ($2::jsonb IS NULL OR payload @> $2::jsonb)
-      AND ($3::text IS NULL
-           OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
-                               WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
-      AND ($4::text IS NULL OR $4 = 'builds')
+    (SELECT 'build', id, 'builds', payload ->> 'kind',
+            CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
+                        WHEN 'done' THEN 'completed' ELSE 'discarded' END,
+            attempt, NULL::int, error_msg, created_at, completed_at, created_at,
+            coalesce(completed_at, created_at)
+     FROM build_jobs
+     WHERE ($1::text IS NULL OR payload ->> 'kind' = $1)
+       AND ($2::jsonb IS NULL OR payload @> $2::jsonb)
+       AND ($3::text IS NULL
+            OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
+                                WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+       AND ($4::text IS NULL OR $4 = 'builds')
+       AND (coalesce(completed_at, created_at), id)
+           < (coalesce($5::timestamptz, 'infinity'),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(completed_at, created_at) DESC, id DESC
+     LIMIT $7)
 ) AS j
-WHERE ($5::timestamptz IS NULL OR (j.at, j.id) < ($5::timestamptz, $6::uuid))
 ORDER BY j.at DESC, j.id DESC
 LIMIT $7;
 
