@@ -50,7 +50,13 @@ SELECT gen_random_uuid(), 'q1', 'k1', '{}', 'running', 3, now() FROM generate_se
 
 def cases() -> list[tuple[str, str, Sequence[Any]]]:
     return [
-        ("overview: plain_queue_counts (exact, scans)", Q.plain_queue_counts, ()),
+        ("status: plain_queue_counts (exact, scans)", Q.plain_queue_counts, ()),
+        ("overview: plain_queue_live_counts", Q.plain_queue_live_counts, ()),
+        ("overview: plain_queue_finished_estimates", Q.plain_queue_finished_estimates, ([],)),
+        ("overview: plain_queue_finished_counts (small tables)",
+         Q.plain_queue_finished_counts, ()),
+        ("overview: build_queue_live_counts", Q.build_queue_live_counts, ()),
+        ("overview: build_finished_estimates", Q.build_finished_estimates, ()),
         ("overview: queue_throughput", Q.queue_throughput, ()),
         ("overview: queues_unserved", Q.queues_unserved, ()),
         ("overview: throughput_buckets", Q.throughput_buckets, ()),
@@ -113,6 +119,30 @@ async def deep_cases(db: Database) -> list[tuple[str, str, Sequence[Any]]]:
     ]
 
 
+PAGES = ("/", "/jobs?state=any", "/jobs?state=discarded", "/jobs?state=any&queue=q3",
+         "/running", "/scheduled", "/workers", "/search?kind=k1",
+         "/search?kind=k1&args=%7B%22user_id%22%3A+4242%7D")
+
+
+async def pages(db: Database) -> None:
+    """Each page served whole (the ASGI app, no network): median of 5 after a warm-up."""
+    import httpx
+
+    from nasiko_queue.web.dashboard import dashboard_app
+
+    app = dashboard_app(db, token=None)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://bench") as client:
+        for url in PAGES:
+            assert (await client.get(url)).status_code == 200, url
+            runs = []
+            for _ in range(5):
+                started = time.perf_counter()
+                await client.get(url)
+                runs.append(time.perf_counter() - started)
+            print(f"{statistics.median(runs) * 1000:9.1f} ms  GET {url}")
+
+
 async def main(dsn: str, rows: int) -> None:
     async with open_database(dsn) as db:
         await migrate(db)
@@ -130,6 +160,8 @@ async def main(dsn: str, rows: int) -> None:
             ms, plan = await timed(db, sql, args)
             print(f"{ms:9.1f} ms  {name}  [{plan}]")
         # The same, as the generic plans a long-lived connection may switch to.
+        print("pages:")
+        await pages(db)
         print("generic plans (plan_cache_mode = force_generic_plan):")
         deep = await deep_cases(db)
         async with db.transaction() as tx:

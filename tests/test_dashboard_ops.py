@@ -370,3 +370,34 @@ async def test_listing_and_search_read_the_listing_index_page_by_page(db: Databa
     found = await operator.search_jobs(db, kind="k1", args='{"n": 7}', limit=500)
     assert len(found) == len({f.id for f in found}) == await db.fetchval(
         "SELECT count(*) FROM nasiko_queue_jobs WHERE kind = 'k1' AND payload @> '{\"n\": 7}'")
+
+
+async def test_overview_estimates_ended_jobs_on_a_big_table(db: Database) -> None:
+    """Above the threshold the overview shows the planner's estimates of ended
+    jobs (marked ≈), within a few percent here (queue and state independent, as
+    the planner assumes); unfinished ones stay exact."""
+    await db.execute(
+        "INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, state, max_attempts, "
+        "finished_at) "
+        "SELECT gen_random_uuid(), 'q' || (i / 4 % 2), 'k', '{}', "
+        "(ARRAY['completed','completed','discarded','cancelled'])[1 + i % 4], 1, now() "
+        "FROM generate_series(1, 20000) AS i")
+    queue = Queue(db, config=FAST)
+    await queue.enqueue(Work(note="due"), options=JobOptions(queue="q1"))
+    await queue.enqueue(Work(note="fresh"), options=JobOptions(queue="fresh"))
+    exact = {q.queue: q for q in await operator.queue_overview(db)}
+    assert not exact["q0"].estimated
+    assert (exact["q0"].completed, exact["q0"].discarded, exact["q0"].cancelled) == (
+        5000, 2500, 2500)
+    await db.execute("ANALYZE nasiko_queue_jobs")
+    rough = {q.queue: q for q in await operator.queue_overview(db, exact_below=1000)}
+    assert rough["q1"].estimated
+    assert (rough["q1"].available, rough["fresh"].available) == (1, 1)  # exact
+    for name, state in (("q0", "completed"), ("q1", "completed"), ("q1", "cancelled")):
+        want = getattr(exact[name], state)
+        assert abs(getattr(rough[name], state) - want) <= want * 0.1, (name, state)
+    assert rough["builds"].completed == 0
+    app = dashboard_app(db, token=None)
+    async with await _client(app) as client:
+        page = (await client.get("/")).text
+    assert 'id="estimated"' not in page  # the page uses the default threshold: exact

@@ -11,6 +11,7 @@ timeline (`nasiko_queue_job_events`, migration 0015) and wakes the workers.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from uuid import UUID
 
@@ -220,3 +221,77 @@ async def run_schedule_now(queue: Queue, schedule: Schedule, *, actor: str = "ap
 async def estimated_rows(db: Database) -> dict[str, int]:
     """The planner's row estimates of the job tables (no scan; as of the last ANALYZE)."""
     return {r["name"]: r["rows"] for r in await db.fetch(Q.table_estimates)}
+
+
+#: Below this many rows (the planner's estimate) the overview counts ended jobs
+#: exactly; above it, it shows the planner's estimates (no scan of the history).
+EXACT_BELOW = 100_000
+
+
+@attrs.frozen(kw_only=True)
+class QueueOverview:
+    """One queue on the dashboard's overview ("builds" for the build jobs)."""
+
+    queue: str
+    available: int
+    scheduled: int
+    running: int
+    completed: int
+    discarded: int
+    cancelled: int
+    #: Seconds the oldest due job has waited (None: none is due).
+    oldest_available_age: float | None
+    #: The ended counts are the planner's estimates, not exact counts.
+    estimated: bool
+
+
+async def queue_overview(db: Database, *, exact_below: int = EXACT_BELOW,
+                         also: Sequence[str] = ()) -> list[QueueOverview]:
+    """
+    Every queue's counts for the overview, "builds" first, then by name: jobs
+    due, scheduled and running counted exactly (from the indexes of unfinished
+    rows); ended ones counted exactly while the table holds fewer than
+    `exact_below` rows, else estimated from the planner's statistics (no scan:
+    a queue whose jobs all ended long ago may be missing or approximate). The
+    queues in `also` (e.g. paused ones) are listed even when empty.
+    """
+    sizes = await estimated_rows(db)
+    live = {r["queue"]: r for r in await db.fetch(Q.plain_queue_live_counts)}
+    ended: dict[str, dict[str, int]] = {}
+    estimated = sizes.get("nasiko_queue_jobs", 0) >= exact_below
+    rows = []
+    if estimated:
+        rows = await db.fetch(Q.plain_queue_finished_estimates, sorted({*live, *also}))
+        estimated = bool(rows)
+    if not estimated:
+        rows = await db.fetch(Q.plain_queue_finished_counts)
+    for r in rows:
+        ended.setdefault(r["queue"], {})[r["state"]] = int(r["n"])
+    out: list[QueueOverview] = []
+    for name in sorted({*live, *ended, *also}):
+        counts = ended.get(name, {})
+        if name not in live and name not in also and not any(counts.values()):
+            continue
+        row = live.get(name)
+        out.append(QueueOverview(
+            queue=name, available=row["available"] if row else 0,
+            scheduled=row["scheduled"] if row else 0, running=row["running"] if row else 0,
+            completed=counts.get("completed", 0), discarded=counts.get("discarded", 0),
+            cancelled=counts.get("cancelled", 0),
+            oldest_available_age=row["oldest_available_age"] if row else None,
+            estimated=estimated))
+    build = await db.fetchrow(Q.build_queue_live_counts)
+    big = sizes.get("build_jobs", 0) >= exact_below
+    finished = await db.fetchrow(Q.build_finished_estimates) if big else None
+    if finished is None:
+        big = False
+        finished = await db.fetchrow(Q.build_finished_counts)
+    # Aggregates without GROUP BY: always one row.
+    assert build is not None
+    assert finished is not None
+    out.insert(0, QueueOverview(
+        queue="builds", available=build["available"], scheduled=0, running=build["running"],
+        completed=int(finished["done"]), discarded=int(finished["failed"]) + build["deleted"],
+        cancelled=0, oldest_available_age=await db.fetchval(Q.jobs_oldest_pending_age),
+        estimated=big))
+    return out

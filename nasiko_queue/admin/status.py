@@ -230,18 +230,23 @@ async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) ->
         stuck_job_mins=stuck_job_mins,
         oldest_pending_age=age,
         claim_plan=attrs.evolve(await explain_claim(db), table_rows=sum(counts.values())),
-        workers=tuple(WorkerRow(
-            id=str(r["id"]), host=r["host"], pid=r["pid"], kinds=tuple(r["kinds"]),
-            queues=None if r["queues"] is None else json.loads(r["queues"]),
-            started_at=r["started_at"], heartbeat_at=r["heartbeat_at"],
-            heartbeat_age=r["heartbeat_age"], lease_secs=r["lease_secs"], alive=r["alive"],
-            dead_at=r["dead_at"], roles=tuple(r["roles"]), holding=r["holding"],
-        ) for r in await db.fetch(Q.workers_list)),
+        workers=await list_workers(db),
         queues=tuple(QueueCounts(**dict(r), completed_1m=throughput.get(r["queue"], (0, 0))[0],
                                  completed_5m=throughput.get(r["queue"], (0, 0))[1])
                      for r in await db.fetch(Q.plain_queue_counts)),
         unserved=await unserved_queues(db),
     )
+
+
+async def list_workers(db: Database) -> tuple[WorkerRow, ...]:
+    """Every registered worker, live or dead (one read; no scan of the jobs)."""
+    return tuple(WorkerRow(
+        id=str(r["id"]), host=r["host"], pid=r["pid"], kinds=tuple(r["kinds"]),
+        queues=None if r["queues"] is None else json.loads(r["queues"]),
+        started_at=r["started_at"], heartbeat_at=r["heartbeat_at"],
+        heartbeat_age=r["heartbeat_age"], lease_secs=r["lease_secs"], alive=r["alive"],
+        dead_at=r["dead_at"], roles=tuple(r["roles"]), holding=r["holding"],
+    ) for r in await db.fetch(Q.workers_list))
 
 
 async def queue_throughput(db: Database) -> dict[str, tuple[int, int]]:

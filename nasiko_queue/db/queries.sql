@@ -1599,3 +1599,95 @@ RETURNING name;
 SELECT c.relname AS name, greatest(c.reltuples, 0)::bigint AS rows
 FROM pg_class AS c
 WHERE c.oid IN (to_regclass('nasiko_queue_jobs'), to_regclass('build_jobs'));
+
+-- name: plain_queue_live_counts
+-- The overview: per queue of plain jobs, the jobs due, scheduled and running,
+-- and how long the oldest due one has waited; reads only unfinished rows, each
+-- state through its own partial index (nasiko_queue_jobs_due,
+-- nasiko_queue_jobs_running), however long the history.
+SELECT queue, sum(available)::int AS available, sum(scheduled)::int AS scheduled,
+       sum(running)::int AS running, max(oldest) AS oldest_available_age
+FROM (
+    SELECT queue, count(*) FILTER (WHERE run_at <= now()) AS available,
+           count(*) FILTER (WHERE run_at > now()) AS scheduled, 0 AS running,
+           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now()))::float8
+               AS oldest
+    FROM nasiko_queue_jobs WHERE state = 'available'
+    GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, 0, count(*), NULL FROM nasiko_queue_jobs WHERE state = 'running'
+    GROUP BY queue
+) AS live
+GROUP BY queue;
+
+-- name: plain_queue_finished_counts
+-- The overview on a small table: exact counts of the ended jobs per queue and
+-- state (a scan of the history; `plain_queue_finished_estimates` instead on a
+-- big one).
+SELECT queue, state, count(*)::bigint AS n
+FROM nasiko_queue_jobs
+WHERE state IN ('completed', 'discarded', 'cancelled')
+GROUP BY queue, state;
+
+-- name: plain_queue_finished_estimates
+-- The overview on a big table: the planner's estimate of the ended jobs per
+-- queue and state, without a scan: rows (pg_class.reltuples) x the queue's
+-- share x the state's share (pg_stats, as of the last ANALYZE; a value outside
+-- the most common ones gets the rest spread evenly, as the planner assumes).
+-- For the most common queues and the queues in $1. No row: never analyzed.
+WITH t AS (
+    SELECT greatest(reltuples, 0) AS n FROM pg_class
+    WHERE oid = to_regclass('nasiko_queue_jobs')
+), stats AS (
+    SELECT s.attname, s.most_common_vals::text::text[] AS vals,
+           s.most_common_freqs AS freqs,
+           CASE WHEN s.n_distinct >= 0 THEN s.n_distinct
+                ELSE -s.n_distinct * (SELECT n FROM t) END AS distinct_n
+    FROM pg_stats AS s
+    WHERE s.schemaname = current_schema() AND s.tablename = 'nasiko_queue_jobs'
+      AND s.attname IN ('queue', 'state')
+), share AS (
+    SELECT st.attname, v.value,
+           coalesce(st.freqs[array_position(st.vals, v.value)],
+                    greatest(1 - coalesce((SELECT sum(f) FROM unnest(st.freqs) AS f), 0), 0)
+                    / greatest(st.distinct_n - coalesce(cardinality(st.vals), 0), 1))
+               AS freq
+    FROM stats AS st
+    CROSS JOIN LATERAL unnest(CASE st.attname
+        WHEN 'queue' THEN ARRAY(SELECT DISTINCT x FROM unnest(
+                                    coalesce(st.vals, '{}') || $1::text[]) AS x)
+        ELSE ARRAY['completed', 'discarded', 'cancelled'] END) AS v(value)
+)
+SELECT q.value AS queue, s.value AS state, round((SELECT n FROM t) * q.freq * s.freq)::bigint AS n
+FROM share AS q JOIN share AS s ON q.attname = 'queue' AND s.attname = 'state'
+WHERE s.value IN ('completed', 'discarded', 'cancelled');
+
+-- name: build_queue_live_counts
+-- The overview's "builds" row: pending and in-progress build jobs (the partial
+-- index build_jobs_work_queue), and the kept copies of deleted ones.
+SELECT count(*) FILTER (WHERE status = 'pending')::int AS available,
+       count(*) FILTER (WHERE status = 'in_progress')::int AS running,
+       (SELECT count(*) FROM nasiko_queue_deleted_build_jobs)::int AS deleted
+FROM build_jobs
+WHERE status IN ('pending', 'in_progress');
+
+-- name: build_finished_counts
+-- Exact done and failed build jobs (a scan; on a small table only).
+SELECT count(*) FILTER (WHERE status = 'done')::bigint AS done,
+       count(*) FILTER (WHERE status = 'failed')::bigint AS failed
+FROM build_jobs
+WHERE status IN ('done', 'failed');
+
+-- name: build_finished_estimates
+-- The planner's estimate of done and failed build jobs (reltuples x the
+-- status's share in pg_stats); no row: never analyzed.
+SELECT round(greatest(c.reltuples, 0) * coalesce(
+           s.most_common_freqs[array_position(s.most_common_vals::text::text[], 'done')], 0)
+       )::bigint AS done,
+       round(greatest(c.reltuples, 0) * coalesce(
+           s.most_common_freqs[array_position(s.most_common_vals::text::text[], 'failed')], 0)
+       )::bigint AS failed
+FROM pg_class AS c
+JOIN pg_stats AS s ON s.schemaname = current_schema() AND s.tablename = 'build_jobs'
+                  AND s.attname = 'status'
+WHERE c.oid = to_regclass('build_jobs');

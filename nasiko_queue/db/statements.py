@@ -161,6 +161,12 @@ class Queries:
     schedule_pause: str
     schedule_resume: str
     table_estimates: str
+    plain_queue_live_counts: str
+    plain_queue_finished_counts: str
+    plain_queue_finished_estimates: str
+    build_queue_live_counts: str
+    build_finished_counts: str
+    build_finished_estimates: str
 
 
 #: A statement written as another with a different claim: its first line names the

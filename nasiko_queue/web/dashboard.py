@@ -48,8 +48,8 @@ import attrs
 
 from ..admin import jobs as job_admin
 from ..admin.jobs import JobFilter, JobNotFound, JobRefused
-from ..admin.operator import job_events
-from ..admin.status import queue_status
+from ..admin.operator import job_events, queue_overview
+from ..admin.status import list_workers
 from ..admin.view import job_view
 from ..config import QueueConfig
 from ..db.database import Database
@@ -151,30 +151,20 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                       templates=Jinja2Templates(env=env))
 
     async def overview(request: Request) -> Response:
-        status = await queue_status(db, stuck_job_mins=dash.config.stuck_job_mins)
+        # Exact counts of unfinished jobs; ended ones estimated on a big table
+        # (admin.operator.queue_overview): no scan of the history per view.
         paused = await job_admin.paused_queues(db)
-        # An aggregate without GROUP BY always returns exactly one row.
-        builds = dict(await db.fetchrow(Q.build_queue_counts) or {})
-        queues: list[dict[str, Any]]
-        queues = [{"name": q.queue, "available": q.available, "scheduled": q.scheduled,
-                       "running": q.running, "completed": q.completed, "discarded": q.discarded,
-                       "cancelled": q.cancelled, "paused": paused.get(q.queue), "pausable": True}
-                  for q in status.queues]
-        known = {q.queue for q in status.queues}
-        queues += [{"name": name, "available": 0, "scheduled": 0, "running": 0, "completed": 0,
-                        "discarded": 0, "cancelled": 0, "paused": at, "pausable": True}
-                   for name, at in paused.items() if name not in known]
-        queues.sort(key=lambda q: str(q["name"]))
-        queues.insert(0, {"name": "builds", "scheduled": 0, "cancelled": 0, "paused": None,
-                          "pausable": False, **builds})
         health = await queue_health(db)
-        oldest = {q.queue: q.oldest_available_age for q in status.queues}
-        oldest["builds"] = status.oldest_pending_age
-        for q in queues:
-            name = str(q["name"])
-            q["oldest"] = oldest.get(name)
-            q["done_1m"], q["done_5m"] = health["throughput"].get(name, (0, 0))
-            q["unserved"] = health["unserved"].get(name)
+        queues: list[dict[str, Any]] = []
+        for q in await queue_overview(db, also=tuple(paused)):
+            done_1m, done_5m = health["throughput"].get(q.queue, (0, 0))
+            queues.append({
+                "name": q.queue, "available": q.available, "scheduled": q.scheduled,
+                "running": q.running, "completed": q.completed, "discarded": q.discarded,
+                "cancelled": q.cancelled, "paused": paused.get(q.queue),
+                "pausable": q.queue != job_admin.BUILDS_QUEUE, "estimated": q.estimated,
+                "oldest": q.oldest_available_age, "done_1m": done_1m, "done_5m": done_5m,
+                "unserved": health["unserved"].get(q.queue)})
         return dash.render(request, "overview.html", queues=queues,
                            unserved=list(health["unserved"].values()),
                            chart=await _throughput(db), **refresh_context(request))
@@ -221,8 +211,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                                               default=str))
 
     async def workers(request: Request) -> Response:
-        status = await queue_status(db, stuck_job_mins=dash.config.stuck_job_mins)
-        return dash.render(request, "workers.html", workers=status.workers,
+        return dash.render(request, "workers.html", workers=await list_workers(db),
                            **refresh_context(request))
 
     async def schedules_page(request: Request) -> Response:
