@@ -401,3 +401,23 @@ async def test_overview_estimates_ended_jobs_on_a_big_table(db: Database) -> Non
     async with await _client(app) as client:
         page = (await client.get("/")).text
     assert 'id="estimated"' not in page  # the page uses the default threshold: exact
+
+
+def test_cli_actions_are_kept_in_the_timeline_as_cli(runner: CliRunner,  # noqa: F811
+                                                     dsn: str) -> None:
+    async def dead(db: Database) -> Any:
+        queue = Queue(db, config=FAST)
+        job_id = await queue.enqueue(Work(note="x"))
+        assert await queue.cancel(job_id) == "cancelled"
+        return job_id
+
+    job_id = with_db(dsn, dead)
+    assert invoke(runner, "jobs", "retry", str(job_id), "--dsn", dsn).exit_code == 0
+    assert invoke(runner, "jobs", "cancel", str(job_id), "--dsn", dsn).exit_code == 0
+    assert invoke(runner, "jobs", "discard", str(job_id), "--dsn", dsn).exit_code == 0
+
+    async def events(db: Database) -> list[tuple[str, str]]:
+        return [(e.action, e.actor) for e in await operator.job_events(db, job_id)]
+
+    assert with_db(dsn, events) == [("retried", "cli"), ("cancelled", "cli"),
+                                    ("discarded", "cli")]
