@@ -20,3 +20,6 @@ CREATE TABLE IF NOT EXISTS nasiko_queue_job_events (
 
 CREATE INDEX IF NOT EXISTS nasiko_queue_job_events_job
     ON nasiko_queue_job_events (job_id, at);
+-- Retention deletes the oldest first.
+CREATE INDEX IF NOT EXISTS nasiko_queue_job_events_at
+    ON nasiko_queue_job_events (at);

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nasiko_queue import Database, JobOptions, Queue
 from nasiko_queue.admin import jobs as job_admin
 from nasiko_queue.admin import operator
+from nasiko_queue.admin.retention import prune
 from nasiko_queue.admin.status import queue_status
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.db.statements import Q
@@ -421,3 +422,15 @@ def test_cli_actions_are_kept_in_the_timeline_as_cli(runner: CliRunner,  # noqa:
 
     assert with_db(dsn, events) == [("retried", "cli"), ("cancelled", "cli"),
                                     ("discarded", "cli")]
+
+
+async def test_retention_prunes_old_operator_actions(db: Database) -> None:
+    old, recent = uuid.uuid4(), uuid.uuid4()
+    async with db.transaction() as tx:
+        await job_admin.record(tx, old, "retried", "cli")
+        await job_admin.record(tx, recent, "retried", "cli")
+    await db.execute("UPDATE nasiko_queue_job_events SET at = now() - interval '40 days' "
+                     "WHERE job_id = $1", old)
+    await prune(db, timedelta(days=30))
+    assert await operator.job_events(db, old) == []
+    assert len(await operator.job_events(db, recent)) == 1

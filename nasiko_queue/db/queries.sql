@@ -1531,6 +1531,14 @@ RETURNING queue, run_at;
 INSERT INTO nasiko_queue_job_events (job_id, action, actor, detail)
 VALUES ($1, $2, $3, $4);
 
+-- name: job_events_prune
+-- Retention: operator actions recorded longer than $1 (an interval) ago, up to
+-- $2 at a time (with the job errors, at the finished jobs' age).
+DELETE FROM nasiko_queue_job_events
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_job_events WHERE at < now() - $1::interval
+    ORDER BY at LIMIT $2));
+
 -- name: job_events_of
 -- Every recorded operator action on job $1, oldest first.
 SELECT at, action, actor, detail FROM nasiko_queue_job_events

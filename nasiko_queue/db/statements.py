@@ -156,6 +156,7 @@ class Queries:
     jobs_scheduled: str
     plain_run_now: str
     job_event_insert: str
+    job_events_prune: str
     job_events_of: str
     jobs_search: str
     schedule_pause: str
