@@ -198,7 +198,8 @@ count_matching = count_jobs
 # -- retry ------------------------------------------------------------------------
 
 
-async def retry(db: Database, job_id: UUID, config: QueueConfig | None = None) -> str:
+async def retry(db: Database, job_id: UUID, config: QueueConfig | None = None, *,
+                actor: str = "api") -> str:
     """
     Run a dead job again; returns "plain" or "build" (which table it was in).
 
@@ -214,7 +215,9 @@ async def retry(db: Database, job_id: UUID, config: QueueConfig | None = None) -
     - A failed build job whose target was deleted with it (a kept copy) is
       refused: there is nothing to build for.
 
-    Workers are woken through `config.notify_channel` once it commits.
+    Workers are woken through `config.notify_channel` once it commits. The
+    retry is recorded in the job's timeline as done by `actor` ("dashboard",
+    "cli", "api").
 
     Raises:
         JobNotFound: no job has this id.
@@ -223,7 +226,7 @@ async def retry(db: Database, job_id: UUID, config: QueueConfig | None = None) -
     config = config or QueueConfig()
     peek = await db.fetchrow(Q.build_job_peek, job_id)
     if peek is not None:
-        await _retry_build(db, job_id, peek, config)
+        await _retry_build(db, job_id, peek, config, actor)
         return "build"
     unique_key: str | None = None
     try:
@@ -235,6 +238,7 @@ async def retry(db: Database, job_id: UUID, config: QueueConfig | None = None) -
                                      "cancelled jobs can be retried")
                 unique_key = row["unique_key"]
                 await tx.execute(Q.plain_requeue, job_id)
+                await record(tx, job_id, "retried", actor)
                 await _notify(tx, config)
                 return "plain"
     except asyncpg.UniqueViolationError:
@@ -258,7 +262,7 @@ async def retry(db: Database, job_id: UUID, config: QueueConfig | None = None) -
 
 
 async def _retry_build(db: Database, job_id: UUID, peek: asyncpg.Record,
-                       config: QueueConfig) -> None:
+                       config: QueueConfig, actor: str) -> None:
     if peek["status"] != "failed":
         raise JobRefused(f"job {job_id} is {peek['status']}: only failed build jobs can "
                          "be retried")
@@ -289,7 +293,14 @@ async def _retry_build(db: Database, job_id: UUID, peek: asyncpg.Record,
             if build_id is not None:
                 await tx.execute(Q.connector_build_requeue, build_id, connector_id)
             await tx.execute(Q.connector_redeploy, connector_id)
+        await record(tx, job_id, "retried", actor)
         await _notify(tx, config)
+
+
+async def record(tx: Transaction | Database, job_id: UUID, action: str, actor: str,
+                 detail: str | None = None) -> None:
+    """Keep an operator's action in the job's timeline (nasiko_queue_job_events)."""
+    await tx.execute(Q.job_event_insert, job_id, action, actor, detail)
 
 
 async def _notify(tx: Transaction, config: QueueConfig) -> None:
@@ -301,7 +312,7 @@ async def _notify(tx: Transaction, config: QueueConfig) -> None:
 # -- discard ----------------------------------------------------------------------
 
 
-async def discard(db: Database, job_id: UUID) -> str:
+async def discard(db: Database, job_id: UUID, *, actor: str = "api") -> str:
     """
     Delete a finished job for good, with its kept errors; returns its source
     ("plain", "build" or "deleted_build").
@@ -329,6 +340,7 @@ async def discard(db: Database, job_id: UUID) -> str:
         else:
             raise JobNotFound(f"no job {job_id}")
         await tx.execute(Q.job_errors_delete, job_id)
+        await record(tx, job_id, "discarded", actor)
     return source
 
 
@@ -341,7 +353,7 @@ def _must_be_finished(job_id: UUID, status: str) -> None:
 # -- cancel -----------------------------------------------------------------------
 
 
-async def cancel(db: Database, job_id: UUID) -> CancelResult:
+async def cancel(db: Database, job_id: UUID, *, actor: str = "api") -> CancelResult:
     """
     Cancel a plain job (as `Queue.cancel`): `CancelResult.CANCELLED` for a waiting
     one, `CANCELLING` for a running one (its worker stops it at its next heartbeat).
@@ -352,6 +364,8 @@ async def cancel(db: Database, job_id: UUID) -> CancelResult:
     """
     result = await cancel_plain_job(db, job_id)
     if result in (CancelResult.CANCELLED, CancelResult.CANCELLING):
+        await record(db, job_id, "cancelled" if result == CancelResult.CANCELLED
+                     else "cancel asked (running)", actor)
         return result
     if result is not None:
         raise JobRefused(f"job {job_id} has already ended "
@@ -382,14 +396,16 @@ async def _each(db: Database, where: JobFilter,
 
 
 async def retry_matching(db: Database, where: JobFilter,
-                         config: QueueConfig | None = None) -> BulkResult:
+                         config: QueueConfig | None = None, *,
+                         actor: str = "api") -> BulkResult:
     """`retry` every job `where` matches (all pages), each in its own transaction."""
-    return await _each(db, where, lambda job_id: retry(db, job_id, config))
+    return await _each(db, where, lambda job_id: retry(db, job_id, config, actor=actor))
 
 
-async def discard_matching(db: Database, where: JobFilter) -> BulkResult:
+async def discard_matching(db: Database, where: JobFilter, *,
+                           actor: str = "api") -> BulkResult:
     """`discard` every job `where` matches (all pages), each in its own transaction."""
-    return await _each(db, where, lambda job_id: discard(db, job_id))
+    return await _each(db, where, lambda job_id: discard(db, job_id, actor=actor))
 
 
 # -- pause and resume -------------------------------------------------------------

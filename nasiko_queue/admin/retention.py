@@ -53,8 +53,8 @@ async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZ
     """
     Delete done/failed build jobs, and completed/discarded/cancelled plain jobs,
     that ended more than `older_than` ago; return how many. Errors kept of
-    crashed attempts, and copies of failed build jobs deleted with their target,
-    older than that go too.
+    crashed attempts, copies of failed build jobs deleted with their target, and
+    operator actions recorded in the jobs' timelines, older than that go too.
 
     Loops over batches of at most `batch_size` rows, each its own statement (and
     transaction), until a batch comes back short. Ages are measured on the
@@ -67,9 +67,10 @@ async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZ
         raise ValueError("batch_size must be >= 1")
     total = 0
     # Build jobs and plain jobs count; the errors kept of crashed attempts
-    # (0009) and the copies of deleted failed build jobs (0010) go at the same age.
+    # (0009), the copies of deleted failed build jobs (0010) and the operator
+    # actions of the jobs' timelines (0015) go at the same age.
     for statement, counted in ((Q.jobs_prune, True), (Q.plain_prune, True),
-                               (Q.job_errors_prune, False),
+                               (Q.job_errors_prune, False), (Q.job_events_prune, False),
                                (Q.deleted_build_jobs_prune, False)):
         while True:
             status = await db.execute(statement, older_than, batch_size)

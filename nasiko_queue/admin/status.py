@@ -91,6 +91,28 @@ class QueueCounts:
     cancelled: int
     #: Seconds the oldest due job has waited (None when none is due).
     oldest_available_age: float | None
+    #: Throughput: jobs completed in the last minute, and in the last 5 minutes.
+    completed_1m: int = 0
+    completed_5m: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
+class UnservedQueue:
+    """A queue that holds waiting jobs but that no live worker serves: they wait
+    until one that runs it starts (a typo in a queue name looks like this)."""
+
+    queue: str
+    #: Jobs waiting in it (due now or scheduled).
+    waiting: int
+    #: Seconds its oldest due job has waited (None: none is due yet).
+    oldest_age: float | None
+
+    def describe(self) -> str:
+        return (f"WARNING: queue {self.queue!r} has {self.waiting} waiting job"
+                f"{'' if self.waiting == 1 else 's'} and no live worker serves it")
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -104,6 +126,9 @@ class WorkerRow:
     host: str
     pid: int
     kinds: tuple[str, ...]
+    #: The queues it serves ("builds" for build jobs) and its concurrency in each;
+    #: None for a worker of a version that did not record them.
+    queues: Mapping[str, int] | None
     started_at: datetime
     heartbeat_at: datetime
     #: Seconds since its last heartbeat.
@@ -121,6 +146,7 @@ class WorkerRow:
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "host": self.host, "pid": self.pid, "kinds": list(self.kinds),
+            "queues": None if self.queues is None else dict(self.queues),
             "started_at": self.started_at.isoformat(),
             "heartbeat_at": self.heartbeat_at.isoformat(),
             "heartbeat_age_seconds": self.heartbeat_age, "lease_seconds": self.lease_secs,
@@ -154,6 +180,8 @@ class QueueStatus:
     workers: tuple[WorkerRow, ...] = ()
     #: Every queue of plain jobs that holds a job, by name.
     queues: tuple[QueueCounts, ...] = ()
+    #: Queues with waiting jobs that no live worker serves (build jobs as "builds").
+    unserved: tuple[UnservedQueue, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (timestamps in ISO 8601) for `status --json`."""
@@ -176,12 +204,13 @@ class QueueStatus:
             },
             "workers": [w.to_json() for w in self.workers],
             "queues": [q.to_json() for q in self.queues],
+            "unserved": [q.to_json() for q in self.unserved],
         }
 
 
 async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) -> QueueStatus:
     """
-    Gather a `QueueStatus` (six reads and one ``EXPLAIN``; nothing is written).
+    Gather a `QueueStatus` (eight reads and one ``EXPLAIN``; nothing is written).
 
     Raises whatever the database raises, e.g. `asyncpg.UndefinedTableError`
     when the schema is not migrated.
@@ -192,6 +221,7 @@ async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) ->
     # An aggregate without GROUP BY always returns exactly one row.
     held = await db.fetchrow(Q.jobs_in_progress_summary, stuck_job_mins) or {}
     age = await db.fetchval(Q.jobs_oldest_pending_age)
+    throughput = await queue_throughput(db)
     return QueueStatus(
         counts=counts,
         in_progress=held.get("held", 0),
@@ -200,14 +230,39 @@ async def queue_status(db: Database, *, stuck_job_mins: int = STUCK_JOB_MINS) ->
         stuck_job_mins=stuck_job_mins,
         oldest_pending_age=age,
         claim_plan=attrs.evolve(await explain_claim(db), table_rows=sum(counts.values())),
-        workers=tuple(WorkerRow(
-            id=str(r["id"]), host=r["host"], pid=r["pid"], kinds=tuple(r["kinds"]),
-            started_at=r["started_at"], heartbeat_at=r["heartbeat_at"],
-            heartbeat_age=r["heartbeat_age"], lease_secs=r["lease_secs"], alive=r["alive"],
-            dead_at=r["dead_at"], roles=tuple(r["roles"]), holding=r["holding"],
-        ) for r in await db.fetch(Q.workers_list)),
-        queues=tuple(QueueCounts(**dict(r)) for r in await db.fetch(Q.plain_queue_counts)),
+        workers=await list_workers(db),
+        queues=tuple(QueueCounts(**dict(r), completed_1m=throughput.get(r["queue"], (0, 0))[0],
+                                 completed_5m=throughput.get(r["queue"], (0, 0))[1])
+                     for r in await db.fetch(Q.plain_queue_counts)),
+        unserved=await unserved_queues(db),
     )
+
+
+async def list_workers(db: Database) -> tuple[WorkerRow, ...]:
+    """Every registered worker, live or dead (one read; no scan of the jobs)."""
+    return tuple(WorkerRow(
+        id=str(r["id"]), host=r["host"], pid=r["pid"], kinds=tuple(r["kinds"]),
+        queues=None if r["queues"] is None else json.loads(r["queues"]),
+        started_at=r["started_at"], heartbeat_at=r["heartbeat_at"],
+        heartbeat_age=r["heartbeat_age"], lease_secs=r["lease_secs"], alive=r["alive"],
+        dead_at=r["dead_at"], roles=tuple(r["roles"]), holding=r["holding"],
+    ) for r in await db.fetch(Q.workers_list))
+
+
+async def queue_throughput(db: Database) -> dict[str, tuple[int, int]]:
+    """Per queue ("builds" too): jobs completed in the last minute and last 5 minutes."""
+    return {r["queue"]: (r["completed_1m"], r["completed_5m"])
+            for r in await db.fetch(Q.queue_throughput)}
+
+
+async def unserved_queues(db: Database) -> tuple[UnservedQueue, ...]:
+    """
+    Queues holding waiting jobs that no live worker serves (by the `queues` each
+    worker registered; a worker of an older version counts as serving all).
+    Build jobs count as the queue "builds": workers of the original's code do not
+    register, so a deployment that still runs them sees "builds" reported here.
+    """
+    return tuple(UnservedQueue(**dict(r)) for r in await db.fetch(Q.queues_unserved))
 
 
 async def explain_claim(db: Database) -> ClaimPlan:

@@ -23,6 +23,7 @@ waits for the other's, which the agent's delete cascades to.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -390,7 +391,8 @@ class PgJobStore:
     async def register_worker(self, identity: WorkerIdentity) -> None:
         """Insert the worker's row; from now on this store's claims name it."""
         await self._db.execute(Q.worker_register, identity.id, identity.host, identity.pid,
-                               list(identity.kinds), self._config.lease)
+                               list(identity.kinds), self._config.lease,
+                               json.dumps(dict(identity.queues)))
         self.worker_id = identity.id
 
     async def heartbeat(self, role: str | None) -> Heartbeat:

@@ -10,6 +10,7 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import click
@@ -266,7 +267,8 @@ def jobs_retry_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None, queue: s
     failed agent deploying again. A build job whose agent was deleted when it
     failed for good is refused: enqueue a new job for a new agent instead.
     """
-    _bulk_command("retry", retry, retry_matching, dsn, job_ids, all_matching, yes,
+    _bulk_command("retry", partial(retry, actor="cli"), partial(retry_matching, actor="cli"),
+                  dsn, job_ids, all_matching, yes,
                   _job_filter(queue, kind, state, older_than),
                   _filtered(queue, kind, older_than))
 
@@ -280,7 +282,8 @@ def jobs_discard_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None, queue:
     Delete the finished jobs JOB_ID... (or with --all every match) and their kept
     errors. Waiting and running jobs are refused: cancel them first.
     """
-    _bulk_command("discard", discard, discard_matching, dsn, job_ids, all_matching, yes,
+    _bulk_command("discard", partial(discard, actor="cli"),
+                  partial(discard_matching, actor="cli"), dsn, job_ids, all_matching, yes,
                   _job_filter(queue, kind, state, older_than),
                   _filtered(queue, kind, older_than))
 
@@ -300,7 +303,7 @@ def jobs_cancel_command(job_ids: tuple[uuid.UUID, ...], dsn: str | None) -> None
         async with open_database(dsn) as db:
             for job_id in job_ids:
                 try:
-                    out.append((job_id, await cancel(db, job_id), True))
+                    out.append((job_id, await cancel(db, job_id, actor="cli"), True))
                 except (JobRefused, JobNotFound) as exc:
                     out.append((job_id, str(exc), False))
         return out

@@ -88,13 +88,15 @@ def _render_status(console: Console, status: QueueStatus) -> None:
     console.print(held)
 
     workers = Table(title="workers")
-    for column in ("id", "host", "pid", "state", "heartbeat", "holding", "roles"):
+    for column in ("id", "host", "pid", "state", "heartbeat", "holding", "roles", "queues"):
         workers.add_column(column)
     for w in status.workers:
         state = "alive" if w.alive else ("dead" if w.dead_at else "[yellow]overdue[/]")
+        served = ("?" if w.queues is None
+                  else ", ".join(f"{name}×{n}" for name, n in sorted(w.queues.items())) or "-")
         workers.add_row(w.id[:8], escape(w.host), str(w.pid), state,
                         f"{w.heartbeat_age:.1f}s ago", str(w.holding),
-                        ", ".join(w.roles) or "-")
+                        ", ".join(w.roles) or "-", escape(served))
     console.print(workers)
 
     if status.queues:
@@ -104,11 +106,16 @@ def _render_status(console: Console, status: QueueStatus) -> None:
         for column in columns:
             queues.add_column(column, justify="right")
         queues.add_column("oldest due")
+        queues.add_column("done 1m/5m", justify="right")
         for q in status.queues:
             age = q.oldest_available_age
             queues.add_row(escape(q.queue), *(str(getattr(q, c)) for c in columns),
-                           "-" if age is None else _duration(age))
+                           "-" if age is None else _duration(age),
+                           f"{q.completed_1m}/{q.completed_5m}")
         console.print(queues)
+
+    for unserved in status.unserved:
+        console.print(f"[bold yellow]{escape(unserved.describe())}[/]")
 
     style = "bold yellow" if status.claim_plan.is_warning else "green"
     console.print(f"[{style}]{escape(status.claim_plan.describe())}[/]")

@@ -687,9 +687,10 @@ SELECT pg_notify($1, '');
 
 -- name: worker_register
 -- A worker process announces itself: $1 id, $2 host, $3 pid, $4 kinds, $5 its
--- lease in seconds (a rescuer judges each worker by its own).
-INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs)
-VALUES ($1, $2, $3, $4, $5);
+-- lease in seconds (a rescuer judges each worker by its own), $6 the queues it
+-- serves with their concurrency, as a JSON object (migration 0014).
+INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs, queues)
+VALUES ($1, $2, $3, $4, $5, $6::jsonb);
 
 -- name: worker_heartbeat
 -- Renew worker $1's heartbeat; with a role ($2, not NULL), also hold or take that
@@ -802,7 +803,7 @@ WHERE w.dead_at < now() - make_interval(secs => $1)
 -- name: workers_list
 -- `status`: every registered worker, live or dead, and whether it leads.
 SELECT w.id, w.host, w.pid, w.kinds, w.started_at, w.heartbeat_at, w.lease_secs,
-       w.dead_at,
+       w.dead_at, w.queues::text AS queues,
        extract(epoch FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
        (w.dead_at IS NULL AND w.heartbeat_at >= now() - make_interval(secs => w.lease_secs))
            AS alive,
@@ -1225,36 +1226,60 @@ FROM nasiko_queue_jobs WHERE id = $1;
 -- kind, $3 state (the listing's names), $4 older than (an interval), each NULL
 -- for any; $5, $6 the (at, id) of the last job of the previous page (NULL: the
 -- first page); $7 the page size. Filters are parameters, never spliced in.
+-- Each table is read in the listing's order (the *_listing indexes, migration
+-- 0016) from the page's start, and stops after a page of matches: the bound
+-- is a row comparison with no OR, an index condition in any plan (a first page
+-- among 1,000,000 finished jobs: about 1 ms instead of 355 ms; measured by
+-- benchmarks/dashboard_scale.py).
 SELECT * FROM (
-    SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
-           error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
-           false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
-           run_at, priority::int AS priority, attempted_at, claimed_by
-    FROM nasiko_queue_jobs
-    WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
-      AND ($3::text IS NULL OR state = $3)
+    (SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
+            error_msg, created_at, finished_at, coalesce(finished_at, created_at) AS at,
+            false AS target_deleted, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
+            run_at, priority::int AS priority, attempted_at, claimed_by
+     FROM nasiko_queue_jobs
+     WHERE ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+       AND ($3::text IS NULL OR state = $3)
+       AND ($4::interval IS NULL OR coalesce(finished_at, created_at) < now() - $4::interval)
+       AND (coalesce(finished_at, created_at), id)
+           < (least(coalesce($5::timestamptz, 'infinity'),
+                    coalesce(now() - $4::interval, 'infinity')),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(finished_at, created_at) DESC, id DESC
+     LIMIT $7)
     UNION ALL
-    SELECT 'build', id, 'builds', payload ->> 'kind',
-           CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
-                       WHEN 'done' THEN 'completed' ELSE 'discarded' END,
-           attempt, NULL::int, error_msg, created_at, completed_at,
-           coalesce(completed_at, created_at), false, agent_id, connector_id,
-           NULL::timestamptz, NULL::int, picked_at, claimed_by
-    FROM build_jobs
-    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
-      AND ($3::text IS NULL
-           OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
-                               WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+    (SELECT 'build', id, 'builds', payload ->> 'kind',
+            CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
+                        WHEN 'done' THEN 'completed' ELSE 'discarded' END,
+            attempt, NULL::int, error_msg, created_at, completed_at,
+            coalesce(completed_at, created_at), false, agent_id, connector_id,
+            NULL::timestamptz, NULL::int, picked_at, claimed_by
+     FROM build_jobs
+     WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+       AND ($3::text IS NULL
+            OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
+                                WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+       AND ($4::interval IS NULL OR coalesce(completed_at, created_at) < now() - $4::interval)
+       AND (coalesce(completed_at, created_at), id)
+           < (least(coalesce($5::timestamptz, 'infinity'),
+                    coalesce(now() - $4::interval, 'infinity')),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(completed_at, created_at) DESC, id DESC
+     LIMIT $7)
     UNION ALL
-    SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
-           error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
-           agent_id, connector_id, NULL::timestamptz, NULL::int, picked_at, NULL::uuid
-    FROM nasiko_queue_deleted_build_jobs
-    WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
-      AND ($3::text IS NULL OR $3 = 'discarded')
+    (SELECT 'deleted_build', id, 'builds', payload ->> 'kind', 'discarded', attempt, NULL::int,
+            error_msg, created_at, completed_at, coalesce(completed_at, deleted_at), true,
+            agent_id, connector_id, NULL::timestamptz, NULL::int, picked_at, NULL::uuid
+     FROM nasiko_queue_deleted_build_jobs
+     WHERE ($1::text IS NULL OR $1 = 'builds') AND ($2::text IS NULL OR payload ->> 'kind' = $2)
+       AND ($3::text IS NULL OR $3 = 'discarded')
+       AND ($4::interval IS NULL OR coalesce(completed_at, deleted_at) < now() - $4::interval)
+       AND (coalesce(completed_at, deleted_at), id)
+           < (least(coalesce($5::timestamptz, 'infinity'),
+                    coalesce(now() - $4::interval, 'infinity')),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(completed_at, deleted_at) DESC, id DESC
+     LIMIT $7)
 ) AS j
-WHERE ($4::interval IS NULL OR j.at < now() - $4::interval)
-  AND ($5::timestamptz IS NULL OR (j.at, j.id) < ($5::timestamptz, $6::uuid))
 ORDER BY j.at DESC, j.id DESC
 LIMIT $7;
 
@@ -1381,9 +1406,11 @@ DELETE FROM nasiko_queue_job_errors WHERE job_id = $1;
 -- same transaction), so each tick is enqueued once: a concurrent scheduler
 -- waits for the row lock, re-reads the committed row, finds last_tick = $2,
 -- and updates nothing. A scheduler whose clock lags moves nothing either.
+-- A paused schedule's tick is moved over all the same (paused_at set: the
+-- caller enqueues nothing), so that a resume does not replay the pause.
 UPDATE nasiko_queue_schedules SET last_tick = $2, updated_at = now()
 WHERE name = $1 AND last_tick < $2
-RETURNING last_tick;
+RETURNING last_tick, paused_at;
 
 -- name: schedule_first_sight
 -- Record schedule $1 at tick $2 the first time any scheduler sees it; returns
@@ -1396,7 +1423,7 @@ RETURNING last_tick;
 
 -- name: schedule_list
 -- Every schedule's last tick enqueued (or recorded), for tools and tests.
-SELECT name, last_tick, updated_at FROM nasiko_queue_schedules ORDER BY name;
+SELECT name, last_tick, updated_at, paused_at FROM nasiko_queue_schedules ORDER BY name;
 
 
 -- ============================================================================
@@ -1468,3 +1495,273 @@ SELECT count(*) FILTER (WHERE status = 'pending')::int AS available,
        (count(*) FILTER (WHERE status = 'failed')
         + (SELECT count(*) FROM nasiko_queue_deleted_build_jobs))::int AS discarded
 FROM build_jobs;
+
+
+-- ============================================================================
+-- The operator's views (issue #21): throughput, unserved queues, running and
+-- scheduled jobs, run now, search, the actions of a job's timeline, schedule
+-- pause, and the planner's estimates.
+
+-- name: queue_throughput
+-- Per queue (build jobs as "builds"), the jobs completed in the last minute and
+-- the last 5 minutes. Reads the finished indexes (nasiko_queue_jobs_finished,
+-- build_jobs_finished_completed_at) over those 5 minutes only.
+SELECT queue, count(*) FILTER (WHERE finished_at > now() - interval '1 minute')::int
+           AS completed_1m,
+       count(*)::int AS completed_5m
+FROM nasiko_queue_jobs
+WHERE state IN ('completed', 'discarded', 'cancelled') AND state = 'completed'
+  AND finished_at > now() - interval '5 minutes'
+GROUP BY queue
+UNION ALL
+SELECT 'builds', count(*) FILTER (WHERE completed_at > now() - interval '1 minute')::int,
+       count(*)::int
+FROM build_jobs
+WHERE status IN ('done', 'failed') AND status = 'done'
+  AND completed_at > now() - interval '5 minutes'
+HAVING count(*) > 0;
+
+-- name: queues_unserved
+-- Queues that hold waiting jobs (available, due or scheduled; build jobs
+-- pending, as "builds") but that no live worker serves: no worker whose row is
+-- alive (not declared dead, heartbeat within its lease) names the queue in its
+-- `queues` (migration 0014). A live worker registered by an older version
+-- (queues NULL) is taken to serve every queue. Reads only the waiting rows
+-- (nasiko_queue_jobs_due, build_jobs_work_queue); `oldest_age` is the seconds the
+-- oldest due job has waited (NULL: none is due yet).
+WITH waiting AS (
+    SELECT queue, count(*)::int AS waiting,
+           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now()))::float8
+               AS oldest_age
+    FROM nasiko_queue_jobs WHERE state = 'available'
+    GROUP BY queue
+    UNION ALL
+    SELECT 'builds', count(*)::int, extract(epoch FROM now() - min(created_at))::float8
+    FROM build_jobs WHERE status = 'pending'
+    HAVING count(*) > 0
+)
+SELECT w.queue, w.waiting, w.oldest_age
+FROM waiting AS w
+WHERE NOT EXISTS (
+    SELECT 1 FROM nasiko_queue_workers AS k
+    WHERE k.dead_at IS NULL
+      AND k.heartbeat_at >= now() - make_interval(secs => k.lease_secs)
+      AND (k.queues IS NULL OR k.queues ? w.queue))
+ORDER BY w.queue;
+
+-- name: jobs_running
+-- The running jobs, longest-running first (plain jobs since attempted_at, build
+-- jobs since picked_at), with the worker that holds each (NULL: a claim that
+-- names no registered worker, e.g. the original's); $1 the page size.
+SELECT * FROM (
+    SELECT 'plain'::text AS source, j.id, j.queue, j.kind, j.attempt, j.max_attempts,
+           j.attempted_at AS started_at, j.cancel_requested, j.claimed_by,
+           w.host, w.pid, (w.dead_at IS NULL
+               AND w.heartbeat_at >= now() - make_interval(secs => w.lease_secs))
+               AS worker_alive
+    FROM nasiko_queue_jobs AS j
+    LEFT JOIN nasiko_queue_workers AS w ON w.id = j.claimed_by
+    WHERE j.state = 'running'
+    UNION ALL
+    SELECT 'build', j.id, 'builds', j.payload ->> 'kind', j.attempt, NULL::int, j.picked_at,
+           false, j.claimed_by, w.host, w.pid,
+           (w.dead_at IS NULL AND w.heartbeat_at >= now() - make_interval(secs => w.lease_secs))
+    FROM build_jobs AS j
+    LEFT JOIN nasiko_queue_workers AS w ON w.id = j.claimed_by
+    WHERE j.status = 'in_progress'
+) AS r
+ORDER BY r.started_at NULLS LAST, r.id
+LIMIT $1;
+
+-- name: jobs_scheduled
+-- Plain jobs waiting for their run_at (available, run_at in the future), soonest
+-- first: $1 queue (NULL: any), $2 the page size. Reads nasiko_queue_jobs_due.
+SELECT id, queue, kind, priority, attempt, max_attempts, run_at, created_at
+FROM nasiko_queue_jobs
+WHERE state = 'available' AND run_at > now() AND ($1::text IS NULL OR queue = $1)
+ORDER BY run_at, id
+LIMIT $2;
+
+-- name: plain_run_now
+-- "Run now": an available plain job ($1) due at once (its run_at moved to now,
+-- if it was later); returns its queue, no row when it is not available. The
+-- caller NOTIFYs in the same transaction.
+UPDATE nasiko_queue_jobs SET run_at = least(run_at, now())
+WHERE id = $1 AND state = 'available'
+RETURNING queue, run_at;
+
+-- name: job_event_insert
+-- An operator's action on job $1 (migration 0015): $2 the action ("retried",
+-- "cancelled", "discarded", "run now"), $3 who ("dashboard", "cli", "api"), $4
+-- a detail (NULL: none).
+INSERT INTO nasiko_queue_job_events (job_id, action, actor, detail)
+VALUES ($1, $2, $3, $4);
+
+-- name: job_events_prune
+-- Retention: operator actions recorded longer than $1 (an interval) ago, up to
+-- $2 at a time (with the job errors, at the finished jobs' age).
+DELETE FROM nasiko_queue_job_events
+WHERE id = ANY (ARRAY(
+    SELECT id FROM nasiko_queue_job_events WHERE at < now() - $1::interval
+    ORDER BY at LIMIT $2));
+
+-- name: job_events_of
+-- Every recorded operator action on job $1, oldest first.
+SELECT at, action, actor, detail FROM nasiko_queue_job_events
+WHERE job_id = $1 ORDER BY at, id;
+
+-- name: jobs_search
+-- Search jobs by kind and by their arguments: $1 kind (NULL: any), $2 a JSON
+-- document the job's payload must contain (jsonb containment, `@>`; NULL: any),
+-- $3 state (the listing's names; NULL: any), $4 queue (NULL: any), $5, $6 the
+-- (at, id) of the last job of the previous page (NULL: the first page), $7 the
+-- page size. Newest first, as `jobs_list`. Plain and build jobs (not the kept
+-- copies). Each table is read in the listing's order (the *_listing indexes,
+-- migration 0016) from the page's start, and stops after a page of matches:
+-- the keyset bound is a row comparison with no OR, an index condition in any
+-- plan, generic or custom.
+SELECT * FROM (
+    (SELECT 'plain'::text AS source, id, queue, kind, state, attempt, max_attempts,
+            error_msg, created_at, finished_at, run_at,
+            coalesce(finished_at, created_at) AS at
+     FROM nasiko_queue_jobs
+     WHERE ($1::text IS NULL OR kind = $1) AND ($2::jsonb IS NULL OR payload @> $2::jsonb)
+       AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR queue = $4)
+       AND (coalesce(finished_at, created_at), id)
+           < (coalesce($5::timestamptz, 'infinity'),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(finished_at, created_at) DESC, id DESC
+     LIMIT $7)
+    UNION ALL
+    (SELECT 'build', id, 'builds', payload ->> 'kind',
+            CASE status WHEN 'pending' THEN 'available' WHEN 'in_progress' THEN 'running'
+                        WHEN 'done' THEN 'completed' ELSE 'discarded' END,
+            attempt, NULL::int, error_msg, created_at, completed_at, created_at,
+            coalesce(completed_at, created_at)
+     FROM build_jobs
+     WHERE ($1::text IS NULL OR payload ->> 'kind' = $1)
+       AND ($2::jsonb IS NULL OR payload @> $2::jsonb)
+       AND ($3::text IS NULL
+            OR status = CASE $3 WHEN 'available' THEN 'pending' WHEN 'running' THEN 'in_progress'
+                                WHEN 'completed' THEN 'done' WHEN 'discarded' THEN 'failed' END)
+       AND ($4::text IS NULL OR $4 = 'builds')
+       AND (coalesce(completed_at, created_at), id)
+           < (coalesce($5::timestamptz, 'infinity'),
+              coalesce($6::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+     ORDER BY coalesce(completed_at, created_at) DESC, id DESC
+     LIMIT $7)
+) AS j
+ORDER BY j.at DESC, j.id DESC
+LIMIT $7;
+
+-- name: schedule_pause
+-- Pause schedule $1 (idempotent: keeps its first paused_at); no row: no
+-- scheduler has recorded it yet.
+UPDATE nasiko_queue_schedules SET paused_at = coalesce(paused_at, now())
+WHERE name = $1
+RETURNING paused_at;
+
+-- name: schedule_resume
+-- Resume schedule $1; returns a row when it was paused.
+UPDATE nasiko_queue_schedules SET paused_at = NULL
+WHERE name = $1 AND paused_at IS NOT NULL
+RETURNING name;
+
+-- name: table_estimates
+-- The planner's row estimates of the job tables (pg_class.reltuples, as of the
+-- last VACUUM or ANALYZE; -1 or 0 before the first): counts that do not scan.
+SELECT c.relname AS name, greatest(c.reltuples, 0)::bigint AS rows
+FROM pg_class AS c
+WHERE c.oid IN (to_regclass('nasiko_queue_jobs'), to_regclass('build_jobs'));
+
+-- name: plain_queue_live_counts
+-- The overview: per queue of plain jobs, the jobs due, scheduled and running,
+-- and how long the oldest due one has waited; reads only unfinished rows, each
+-- state through its own partial index (nasiko_queue_jobs_due,
+-- nasiko_queue_jobs_running), however long the history.
+SELECT queue, sum(available)::int AS available, sum(scheduled)::int AS scheduled,
+       sum(running)::int AS running, max(oldest) AS oldest_available_age
+FROM (
+    SELECT queue, count(*) FILTER (WHERE run_at <= now()) AS available,
+           count(*) FILTER (WHERE run_at > now()) AS scheduled, 0 AS running,
+           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now()))::float8
+               AS oldest
+    FROM nasiko_queue_jobs WHERE state = 'available'
+    GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, 0, count(*), NULL FROM nasiko_queue_jobs WHERE state = 'running'
+    GROUP BY queue
+) AS live
+GROUP BY queue;
+
+-- name: plain_queue_finished_counts
+-- The overview on a small table: exact counts of the ended jobs per queue and
+-- state (a scan of the history; `plain_queue_finished_estimates` instead on a
+-- big one).
+SELECT queue, state, count(*)::bigint AS n
+FROM nasiko_queue_jobs
+WHERE state IN ('completed', 'discarded', 'cancelled')
+GROUP BY queue, state;
+
+-- name: plain_queue_finished_estimates
+-- The overview on a big table: the planner's estimate of the ended jobs per
+-- queue and state, without a scan: rows (pg_class.reltuples) x the queue's
+-- share x the state's share (pg_stats, as of the last ANALYZE; a value outside
+-- the most common ones gets the rest spread evenly, as the planner assumes).
+-- For the most common queues and the queues in $1. No row: never analyzed.
+WITH t AS (
+    SELECT greatest(reltuples, 0) AS n FROM pg_class
+    WHERE oid = to_regclass('nasiko_queue_jobs')
+), stats AS (
+    SELECT s.attname, s.most_common_vals::text::text[] AS vals,
+           s.most_common_freqs AS freqs,
+           CASE WHEN s.n_distinct >= 0 THEN s.n_distinct
+                ELSE -s.n_distinct * (SELECT n FROM t) END AS distinct_n
+    FROM pg_stats AS s
+    WHERE s.schemaname = current_schema() AND s.tablename = 'nasiko_queue_jobs'
+      AND s.attname IN ('queue', 'state')
+), share AS (
+    SELECT st.attname, v.value,
+           coalesce(st.freqs[array_position(st.vals, v.value)],
+                    greatest(1 - coalesce((SELECT sum(f) FROM unnest(st.freqs) AS f), 0), 0)
+                    / greatest(st.distinct_n - coalesce(cardinality(st.vals), 0), 1))
+               AS freq
+    FROM stats AS st
+    CROSS JOIN LATERAL unnest(CASE st.attname
+        WHEN 'queue' THEN ARRAY(SELECT DISTINCT x FROM unnest(
+                                    coalesce(st.vals, '{}') || $1::text[]) AS x)
+        ELSE ARRAY['completed', 'discarded', 'cancelled'] END) AS v(value)
+)
+SELECT q.value AS queue, s.value AS state, round((SELECT n FROM t) * q.freq * s.freq)::bigint AS n
+FROM share AS q JOIN share AS s ON q.attname = 'queue' AND s.attname = 'state'
+WHERE s.value IN ('completed', 'discarded', 'cancelled');
+
+-- name: build_queue_live_counts
+-- The overview's "builds" row: pending and in-progress build jobs (the partial
+-- index build_jobs_work_queue), and the kept copies of deleted ones.
+SELECT count(*) FILTER (WHERE status = 'pending')::int AS available,
+       count(*) FILTER (WHERE status = 'in_progress')::int AS running,
+       (SELECT count(*) FROM nasiko_queue_deleted_build_jobs)::int AS deleted
+FROM build_jobs
+WHERE status IN ('pending', 'in_progress');
+
+-- name: build_finished_counts
+-- Exact done and failed build jobs (a scan; on a small table only).
+SELECT count(*) FILTER (WHERE status = 'done')::bigint AS done,
+       count(*) FILTER (WHERE status = 'failed')::bigint AS failed
+FROM build_jobs
+WHERE status IN ('done', 'failed');
+
+-- name: build_finished_estimates
+-- The planner's estimate of done and failed build jobs (reltuples x the
+-- status's share in pg_stats); no row: never analyzed.
+SELECT round(greatest(c.reltuples, 0) * coalesce(
+           s.most_common_freqs[array_position(s.most_common_vals::text::text[], 'done')], 0)
+       )::bigint AS done,
+       round(greatest(c.reltuples, 0) * coalesce(
+           s.most_common_freqs[array_position(s.most_common_vals::text::text[], 'failed')], 0)
+       )::bigint AS failed
+FROM pg_class AS c
+JOIN pg_stats AS s ON s.schemaname = current_schema() AND s.tablename = 'build_jobs'
+                  AND s.attname = 'status'
+WHERE c.oid = to_regclass('build_jobs');

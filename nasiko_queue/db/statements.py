@@ -153,6 +153,24 @@ class Queries:
     queues_paused: str
     throughput_buckets: str
     build_queue_counts: str
+    queue_throughput: str
+    queues_unserved: str
+    jobs_running: str
+    jobs_scheduled: str
+    plain_run_now: str
+    job_event_insert: str
+    job_events_prune: str
+    job_events_of: str
+    jobs_search: str
+    schedule_pause: str
+    schedule_resume: str
+    table_estimates: str
+    plain_queue_live_counts: str
+    plain_queue_finished_counts: str
+    plain_queue_finished_estimates: str
+    build_queue_live_counts: str
+    build_finished_counts: str
+    build_finished_estimates: str
 
 
 #: A statement written as another with a different claim: its first line names the

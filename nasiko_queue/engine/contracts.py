@@ -134,6 +134,8 @@ class WorkerIdentity:
     pid: int
     #: The payload kinds it claims.
     kinds: tuple[str, ...]
+    #: The queues it serves ("builds" for the build jobs), each with its concurrency.
+    queues: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen

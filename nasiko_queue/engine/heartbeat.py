@@ -60,15 +60,18 @@ class HeartbeatService:
         on_elected: called when the worker takes the leadership.
         on_cancels: called with the plain jobs the worker runs whose cancel was
             asked for, after every heartbeat that found some.
+        queues: the queues the worker serves with their concurrency, for its row.
     """
 
     def __init__(self, state: WorkerState, store: JobStore, kinds: tuple[str, ...],
                  on_fence: Callable[[str], None], on_resume: Callable[[], None],
                  on_elected: Callable[[], None] = lambda: None,
-                 on_cancels: Callable[[tuple[UUID, ...]], None] = lambda _ids: None) -> None:
+                 on_cancels: Callable[[tuple[UUID, ...]], None] = lambda _ids: None,
+                 queues: tuple[tuple[str, int], ...] = ()) -> None:
         self.state = state
         self.store = store
         self.kinds = kinds
+        self.queues = queues
         self.on_fence = on_fence
         self.on_resume = on_resume
         self.on_elected = on_elected
@@ -97,7 +100,8 @@ class HeartbeatService:
         stopping = self.state.stopping
         while True:
             identity = WorkerIdentity(id=uuid.uuid4(), host=socket.gethostname(),
-                                      pid=os.getpid(), kinds=self.kinds)
+                                      pid=os.getpid(), kinds=self.kinds,
+                                      queues=self.queues)
             sent = trio.current_time()
             try:
                 await self.store.register_worker(identity)

@@ -174,7 +174,8 @@ class Worker:
                                           tuple(sorted(executors)),
                                           on_fence=self.fence, on_resume=self._resume,
                                           on_elected=self.rescuer.kick,
-                                          on_cancels=self._cancel_running)
+                                          on_cancels=self._cancel_running,
+                                          queues=self._served())
         self.sweeper = StuckJobSweeper(SweeperConfig.of(self.config), self._store,
                                        self.stats, on_swept=self.wake,
                                        leading=self.state.is_leader)
@@ -191,6 +192,10 @@ class Worker:
     def _worker_id(self) -> UUID | None:
         worker_id: UUID | None = getattr(self._store, "worker_id", None)
         return worker_id
+
+    def _served(self) -> tuple[tuple[str, int], ...]:
+        """Every queue its lanes serve ("builds" too), with its concurrency."""
+        return tuple((lane.name, lane.state.config.concurrency) for lane in self.lanes)
 
     def _queues(self) -> tuple[tuple[str, int], ...]:
         """The plain queues this worker runs: configured, or those its types name."""

@@ -284,13 +284,17 @@ class Scheduler:
         """Move `schedule` to `tick` and enqueue it, in one transaction."""
         late = (now - tick).total_seconds() > self.config.grace
         async with self.queue.db.transaction() as tx:
-            moved = await tx.fetchval(Q.schedule_advance, schedule.name, tick)
+            moved = await tx.fetchrow(Q.schedule_advance, schedule.name, tick)
             if moved is None:
                 if await tx.fetchval(Q.schedule_first_sight, schedule.name, tick) is not None:
                     log.info("schedule %s: first seen; from tick %s on, each tick is enqueued",
                              schedule.name, tick.isoformat())
                     return "recorded"
                 return None  # another scheduler has it (or a later tick)
+            if moved["paused_at"] is not None:
+                log.info("schedule %s: tick %s skipped (the schedule is paused)",
+                         schedule.name, tick.isoformat())
+                return "skipped"
             if late and not schedule.catch_up:
                 log.info("schedule %s: missed tick %s skipped (catch_up is off)",
                          schedule.name, tick.isoformat())

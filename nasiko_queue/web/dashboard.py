@@ -56,13 +56,15 @@ import attrs
 
 from ..admin import jobs as job_admin
 from ..admin.jobs import JobFilter, JobNotFound, JobRefused
-from ..admin.status import queue_status
+from ..admin.operator import job_events, queue_overview
+from ..admin.status import list_workers
 from ..admin.view import job_view
 from ..config import QueueConfig
 from ..db.database import Database
 from ..db.statements import Q
 from ..plain.schedules import Schedule
 from .auth import HostCheck, LoginThrottle, Session, Sessions, same_secret
+from .pages import operator_routes, queue_health, refresh_context
 
 _HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "nq_session"
@@ -185,23 +187,23 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                       throttle=LoginThrottle() if throttle is None else throttle)
 
     async def overview(request: Request) -> Response:
-        status = await queue_status(db, stuck_job_mins=dash.config.stuck_job_mins)
+        # Exact counts of unfinished jobs; ended ones estimated on a big table
+        # (admin.operator.queue_overview): no scan of the history per view.
         paused = await job_admin.paused_queues(db)
-        # An aggregate without GROUP BY always returns exactly one row.
-        builds = dict(await db.fetchrow(Q.build_queue_counts) or {})
-        queues = [{"name": q.queue, "available": q.available, "scheduled": q.scheduled,
-                       "running": q.running, "completed": q.completed, "discarded": q.discarded,
-                       "cancelled": q.cancelled, "paused": paused.get(q.queue), "pausable": True}
-                  for q in status.queues]
-        known = {q.queue for q in status.queues}
-        queues += [{"name": name, "available": 0, "scheduled": 0, "running": 0, "completed": 0,
-                        "discarded": 0, "cancelled": 0, "paused": at, "pausable": True}
-                   for name, at in paused.items() if name not in known]
-        queues.sort(key=lambda q: str(q["name"]))
-        queues.insert(0, {"name": "builds", "scheduled": 0, "cancelled": 0, "paused": None,
-                          "pausable": False, **builds})
+        health = await queue_health(db)
+        queues: list[dict[str, Any]] = []
+        for q in await queue_overview(db, also=tuple(paused)):
+            done_1m, done_5m = health["throughput"].get(q.queue, (0, 0))
+            queues.append({
+                "name": q.queue, "available": q.available, "scheduled": q.scheduled,
+                "running": q.running, "completed": q.completed, "discarded": q.discarded,
+                "cancelled": q.cancelled, "paused": paused.get(q.queue),
+                "pausable": q.queue != job_admin.BUILDS_QUEUE, "estimated": q.estimated,
+                "oldest": q.oldest_available_age, "done_1m": done_1m, "done_5m": done_5m,
+                "unserved": health["unserved"].get(q.queue)})
         return dash.render(request, "overview.html", queues=queues,
-                           chart=await _throughput(db))
+                           unserved=list(health["unserved"].values()),
+                           chart=await _throughput(db), **refresh_context(request))
 
     async def jobs(request: Request) -> Response:
         params = request.query_params
@@ -239,14 +241,16 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
             ("target deleted", view.deleted_at)) if at is not None]
         timeline += [(f"attempt {e.attempt} failed ({e.reason})", e.at)
                      for e in view.errors if e.at is not None]
+        timeline += [(f"{e.action} by {e.actor}" + (f" ({e.detail})" if e.detail else ""),
+                      e.at) for e in await job_events(db, job_id)]
         timeline.sort(key=lambda t: t[1])
         return dash.render(request, "job.html", job=view, timeline=timeline,
                            payload=json.dumps(view.payload, indent=2, sort_keys=True,
                                               default=str))
 
     async def workers(request: Request) -> Response:
-        status = await queue_status(db, stuck_job_mins=dash.config.stuck_job_mins)
-        return dash.render(request, "workers.html", workers=status.workers)
+        return dash.render(request, "workers.html", workers=await list_workers(db),
+                           **refresh_context(request))
 
     async def schedules_page(request: Request) -> Response:
         rows = {r["name"]: r for r in await db.fetch(Q.schedule_list)}
@@ -256,11 +260,13 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
             row = rows.pop(s.name, None)
             items.append({"name": s.name, "cron": s.cron, "timezone": s.timezone,
                               "last_tick": row["last_tick"] if row else None,
-                              "next_run": s.next_tick(now)})
+                              "next_run": s.next_tick(now), "recorded": row is not None,
+                              "paused": row["paused_at"] if row else None, "runnable": True})
         items += [{"name": name, "cron": None, "timezone": None, "last_tick": r["last_tick"],
-                       "next_run": None} for name, r in rows.items()]
+                       "next_run": None, "recorded": True, "paused": r["paused_at"],
+                       "runnable": False} for name, r in rows.items()]
         return dash.render(request, "schedules.html", schedules=items,
-                           known=bool(dash.schedules))
+                           known=bool(dash.schedules), **refresh_context(request))
 
     def throttled(request: Request) -> Response | None:
         wait = dash.throttle.retry_after(_client(request))
@@ -360,28 +366,33 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         return [UUID(str(v)) for v in form.getlist("id")]
 
     async def do_retry(_request: Request, form: Any) -> str:
-        return await _bulk(_ids(form), lambda i: job_admin.retry(db, i, dash.config), "retried")
+        return await _bulk(_ids(form), lambda i: job_admin.retry(db, i, dash.config,
+                                                                actor="dashboard"),
+                           "retried")
 
     async def do_cancel(_request: Request, form: Any) -> str:
-        return await _bulk(_ids(form), lambda i: job_admin.cancel(db, i), "cancelled")
+        return await _bulk(_ids(form), lambda i: job_admin.cancel(db, i, actor="dashboard"),
+                           "cancelled")
 
     async def do_discard(_request: Request, form: Any) -> str:
         ids = _ids(form)
         if len(set(ids)) > 1:
             _confirmed(form, "discarding several jobs")
-        return await _bulk(ids, lambda i: job_admin.discard(db, i), "discarded")
+        return await _bulk(ids, lambda i: job_admin.discard(db, i, actor="dashboard"),
+                           "discarded")
 
     def _matching(form: Any) -> JobFilter:
         return JobFilter(queue=str(form.get("queue") or "") or None,
                          kind=str(form.get("kind") or "") or None, state="discarded")
 
     async def do_retry_matching(_request: Request, form: Any) -> str:
-        result = await job_admin.retry_matching(db, _matching(form), dash.config)
+        result = await job_admin.retry_matching(db, _matching(form), dash.config,
+                                               actor="dashboard")
         return _summary("retried", len(result.done), result.refused)
 
     async def do_discard_matching(_request: Request, form: Any) -> str:
         _confirmed(form, "discarding every dead job of a filter")
-        result = await job_admin.discard_matching(db, _matching(form))
+        result = await job_admin.discard_matching(db, _matching(form), actor="dashboard")
         return _summary("discarded", len(result.done), result.refused)
 
     async def do_pause(_request: Request, form: Any) -> str:
@@ -440,6 +451,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         Route("/actions/discard-matching", action(do_discard_matching), methods=["POST"]),
         Route("/actions/pause", action(do_pause), methods=["POST"]),
         Route("/actions/resume", action(do_resume), methods=["POST"]),
+        *operator_routes(dash, action),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     return Starlette(routes=routes,

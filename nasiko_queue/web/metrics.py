@@ -95,6 +95,8 @@ class QueueCollector(Collector):
         self.worker_name = worker_name
         #: The statement's rows for this scrape; None when it got no answer.
         self.rows: Sequence[Any] | None = None
+        #: The queues with waiting jobs that no live worker serves (queues_unserved).
+        self.unserved: Sequence[Any] = ()
         self.query_seconds = 0.0
 
     def collect(self) -> Iterator[Metric]:
@@ -108,6 +110,14 @@ class QueueCollector(Collector):
         yield took
         if self.rows is not None:
             yield from self._jobs(self.rows)
+            unserved = GaugeMetricFamily(
+                "nasiko_queue_unserved_queue_jobs",
+                "Jobs waiting in a queue that no live worker serves (one series per such "
+                "queue; none while every queue with waiting jobs is served).",
+                labels=["queue"])
+            for row in self.unserved:
+                unserved.add_metric([row["queue"]], float(row["waiting"]))
+            yield unserved
         if self.worker is not None:
             yield from self._worker(self.worker)
 
@@ -182,18 +192,21 @@ class Metrics:
         """Run this scrape's statement, then render the registry (no checkpoint between)."""
         timeout = self.timeout
 
-        async def op(conn: Any) -> list[Any]:
+        async def op(conn: Any) -> tuple[list[Any], list[Any]]:
             rows: list[Any] = await conn.fetch(Q.metrics_jobs, timeout=timeout)
-            return rows
+            unserved: list[Any] = await conn.fetch(Q.queues_unserved, timeout=timeout)
+            return rows, unserved
 
         sent = trio.current_time()
         rows: list[Any] | None
+        unserved: list[Any] = []
         try:
-            rows = await self.queue.db.run_bounded(op, bound=timeout)
+            rows, unserved = await self.queue.db.run_bounded(op, bound=timeout)
         except Exception as exc:
             log.warning("metrics: the jobs statement got no answer (%s)", one_line(exc))
             rows = None
         self.collector.rows = rows
+        self.collector.unserved = unserved
         self.collector.query_seconds = trio.current_time() - sent
         return generate_latest(self.registry)
 
