@@ -166,3 +166,12 @@ def is_transient(exc: BaseException) -> bool:
     if not code or code in _NEVER_TRANSIENT:
         return False
     return code[:2] in _TRANSIENT_CLASSES or code in _TRANSIENT_CODES
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, however nested (or `exc` alone):
+    what a nursery raised, for callers that ask "was it an interrupt / a refused
+    bind / an outage?" of each."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
+    return [exc]

@@ -27,7 +27,7 @@ from .builds.payloads import BUILTIN_PAYLOAD_TYPES, MAX_KIND_LENGTH, Payload, Pa
 from .config import QueueConfig
 from .db.database import Database, Transaction
 from .db.statements import Q
-from .errors import InvalidPayload, PayloadTooLarge
+from .errors import InvalidPayload, PayloadTooLarge, leaves
 from .plain.args import Job, JobArgs, JobOptions, Unique
 from .secrets import SecretBox
 
@@ -375,9 +375,9 @@ class Queue:
                                            holders)
                         following = await trio.to_thread.run_sync(batch.next_statement)
                 except BaseExceptionGroup as group:
-                    leaves = _leaves(group)
-                    if len(leaves) == 1:
-                        raise leaves[0] from None
+                    inner = leaves(group)
+                    if len(inner) == 1:
+                        raise inner[0] from None
                     raise
                 statement, first = following, False
         return holders
@@ -636,7 +636,3 @@ class _Batch:
                 (ids, *([r[i] for r in rows] for i in range(9))), tuple(uniques))
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]

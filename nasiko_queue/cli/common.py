@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -23,7 +23,7 @@ from .. import __version__
 from ..admin.retention import parse_duration
 from ..config import QueueConfig
 from ..engine.signals import EXIT_HARD_STOP as EXIT_HARD_STOP
-from ..errors import NasikoQueueError
+from ..errors import NasikoQueueError, leaves
 from ..web.bind import DASHBOARD_TOKEN_ENV as DASHBOARD_TOKEN_ENV  # re-exported
 
 log = logging.getLogger("nasiko_queue.cli")
@@ -76,12 +76,6 @@ def _check_dsn(dsn: str) -> None:
         raise OperatorError("--dsn must be a URL like postgresql://user@host:5432/database")
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -97,7 +91,7 @@ def _explain(exc: BaseException, dsn: str | None) -> str | None:
     the message is that of the first leaf the operator can do something about.
     """
     where = _where(dsn) if dsn else "the database"
-    for leaf in _leaves(exc):
+    for leaf in leaves(exc):
         if isinstance(leaf, asyncpg.UndefinedTableError):
             return (f"{where} has no nasiko-queue schema ({_first_line(leaf)}); "
                     "run `nasiko-queue migrate` first")
@@ -123,7 +117,7 @@ def _run(dsn: str | None, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         sys.exit(EXIT_HARD_STOP)
     except BaseExceptionGroup as group:
         # Ctrl-C through a nursery (the dashboard's server) arrives grouped.
-        if any(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(group)):
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(group)):
             click.echo("interrupted", err=True)
             sys.exit(EXIT_HARD_STOP)
         message = _explain(group, dsn) if isinstance(group, ExceptionGroup) else None

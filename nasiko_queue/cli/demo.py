@@ -44,7 +44,7 @@ from ..db.migrate import migrate
 from ..db.statements import Q
 from ..engine.contracts import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED
 from ..engine.worker import Worker
-from ..errors import NasikoQueueError
+from ..errors import NasikoQueueError, leaves
 from ..executors import Executors, JobContext
 from ..queue import Queue
 from ..secrets import SecretBox, generate_master_key
@@ -405,7 +405,7 @@ class DemoLog(RichHandler):
             return bool(error.error_type == _SIMULATED)
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
-            return all(isinstance(leaf, SimulatedCrash) for leaf in _leaves(exc))
+            return all(isinstance(leaf, SimulatedCrash) for leaf in leaves(exc))
         if record.levelno != logging.WARNING:
             return False
         message = record.getMessage()
@@ -452,18 +452,12 @@ class _OneLineFormatter(logging.Formatter):
                     f" ({error.error_type.rsplit('.', 1)[-1]}: {lines[0] if lines else ''})")
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
-            leaf = next(iter(_leaves(exc)))
+            leaf = next(iter(leaves(exc)))
             lines = str(leaf).strip().splitlines()
             text += f" ({type(leaf).__name__}: {lines[0] if lines else ''})"
         return text
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 async def run_demo(

@@ -25,7 +25,7 @@ from ..db.statements import Q
 from ..engine.signals import Shutdown as _Shutdown
 from ..engine.signals import watch_signals
 from ..engine.worker import Worker
-from ..errors import ConfigurationError, NasikoQueueError, is_transient
+from ..errors import ConfigurationError, NasikoQueueError, is_transient, leaves
 from ..executors import Executors
 from ..plain.schedules import Schedule
 from ..queue import Queue
@@ -36,7 +36,6 @@ from .common import (
     MASTER_KEY_ENV,
     OperatorError,
     _explain,
-    _leaves,
     _log_level_option,
     _require_dsn,
     _run,
@@ -135,7 +134,7 @@ def _unreachable(exc: BaseException) -> bool:
     a mistake in the DSN and reported, like anything the server itself refuses
     (no such database, a wrong password, no schema).
     """
-    if any(isinstance(leaf, socket.gaierror) for leaf in _leaves(exc)):
+    if any(isinstance(leaf, socket.gaierror) for leaf in leaves(exc)):
         return False
     return is_transient(exc)
 

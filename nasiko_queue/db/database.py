@@ -44,7 +44,7 @@ import attrs
 import trio
 import trio_asyncio
 
-from ..errors import OutcomeUnknown, is_connection_error
+from ..errors import OutcomeUnknown, is_connection_error, leaves
 from .connections import ConnectionSet
 
 log = logging.getLogger("nasiko_queue.database")
@@ -602,7 +602,7 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
                 raised = exc
                 raise
     except BaseExceptionGroup as group:
-        if raised is not None and _leaves(group) == [raised]:
+        if raised is not None and leaves(group) == [raised]:
             raise raised from None
         raise
 
@@ -638,10 +638,6 @@ def _drop_late_result(task: Any) -> None:
                   type(exc).__name__, exc)
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
 
 
 def _log_asyncio_error(loop: Any, context: dict[str, Any]) -> None:

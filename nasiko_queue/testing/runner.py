@@ -30,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_mac
 
 from ..db.database import Database, open_database
 from ..db.statements import Q
+from ..errors import leaves
 from ..secrets import SecretBox
 
 T = TypeVar("T")
@@ -194,23 +195,18 @@ async def expect_failure(
 
 
 def _failure(exc: BaseException, machine: type[DatabaseMachine], examples: int) -> Failure:
-    leaves = _leaves(exc)
-    reports = tuple("\n".join(getattr(leaf, "__notes__", [])) for leaf in leaves)
+    found_leaves = leaves(exc)
+    reports = tuple("\n".join(getattr(leaf, "__notes__", [])) for leaf in found_leaves)
     rules = _rule_names(machine)
     steps = tuple(tuple(line for line in report.splitlines()
                         if line.startswith("state.") and line[6:].split("(")[0] in rules)
                   for report in reports)
-    for report, leaf, found in zip(reports, leaves, steps, strict=True):
+    for report, leaf, found in zip(reports, found_leaves, steps, strict=True):
         assert "state." in report, f"no falsifying example reported: {leaf!r}"
         assert found, f"no step in the example:\n{report}"
     return Failure(error=exc, reports=reports, steps=steps, examples=examples)
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """Hypothesis may report several distinct bugs at once, as an exception group."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
 
 
 def _rule_names(machine: type[DatabaseMachine]) -> frozenset[str]:

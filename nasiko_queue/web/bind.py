@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import CannotListen
+from ..errors import CannotListen, leaves
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9181
@@ -48,12 +48,6 @@ _BIND_ERRORS = {
 }
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 @contextmanager
@@ -66,7 +60,7 @@ def reporting_bind_errors(where: str) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        for leaf in _leaves(exc):
+        for leaf in leaves(exc):
             if isinstance(leaf, OSError) and leaf.errno in _BIND_ERRORS:
                 raise CannotListen(
                     f"cannot listen on {where}: {_BIND_ERRORS[leaf.errno]}") from None
