@@ -172,12 +172,12 @@ async def test_cli_dashboard_ends_on_ctrl_c_in_one_line(dsn: str, tmp_path: Path
     nurseries, grouped)."""
     code, err = await _cli(["dashboard", "--bind", "127.0.0.1:0"], example_env(dsn),
                            interrupt_after="dashboard on http", cwd=tmp_path)
-    # Where the interrupt lands decides between hypercorn's own clean shutdown (0)
-    # and trio's KeyboardInterrupt (130, "interrupted"); never a traceback.
-    assert code in (0, nq.EXIT_HARD_STOP), err
+    # The first signal stops the server gracefully: exit 0, one line saying so.
+    # (Left to trio, the KeyboardInterrupt could land in any task; under two CPU
+    # hogs the process once hung past this test's deadline.)
+    assert code == 0, err
     assert "Traceback" not in err, err
-    if code == nq.EXIT_HARD_STOP:
-        assert err.splitlines()[-1] == "interrupted"
+    assert err.splitlines()[-1] == "SIGINT: stopping", err
     assert "dashboard on http://127.0.0.1:0/" not in err
 
 

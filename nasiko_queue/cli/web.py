@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import click
 import trio
 
@@ -12,6 +15,7 @@ from ..db.database import open_database
 from ..web.bind import login_message, login_url, new_token, parse_bind
 from .common import (
     DASHBOARD_TOKEN_ENV,
+    EXIT_HARD_STOP,
     OperatorError,
     _require_dsn,
     _run,
@@ -95,14 +99,43 @@ def dashboard_command(ctx: click.Context, dsn: str | None, bind: str, token: str
                                 schedules=schedules, allowed_hosts=allowed_hosts,
                                 sessions=sessions)
             mode = "read-only" if read_only else "actions need the token"
-            async with trio.open_nursery() as nursery:
-                with reporting_bind_errors(bind):  # a busy port, named in one line
-                    binds = await nursery.start(serve, app, hyper)
-                # Said once it listens (a busy port prints only its error).
-                bound = str(binds[0])
-                click.echo(f"dashboard on {bound}/ ({mode})", err=True)
-                if generated and token:
-                    click.echo(login_message(login_url(
-                        host, int(bound.rsplit(":", 1)[1]), token)), err=True)
+            # Ctrl-C and SIGTERM are ours, as for `worker`: the first stops the
+            # server gracefully (exit 0), a second at once (130). Left to trio, the
+            # KeyboardInterrupt could land in any task, the database bridge's
+            # included, and under load the process then hung instead of ending.
+            stop = trio.Event()
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async with trio.open_nursery() as nursery:
 
+                    async def watch_signals() -> None:
+                        async for signum in signals:
+                            name = signal.Signals(signum).name
+                            if stop.is_set():
+                                click.echo(f"{name} again: stopping now", err=True)
+                                hard.append(signum)
+                                nursery.cancel_scope.cancel()
+                                return
+                            click.echo(f"{name}: stopping", err=True)
+                            stop.set()
+
+                    async def run_server(*, task_status: trio.TaskStatus[list[str]]
+                                         = trio.TASK_STATUS_IGNORED) -> None:
+                        # Starlette is an ASGI app; hypercorn's own types are narrower.
+                        await serve(app, hyper,  # type: ignore[arg-type]
+                                    shutdown_trigger=stop.wait, task_status=task_status)
+                        nursery.cancel_scope.cancel()  # served and stopped: the end
+
+                    nursery.start_soon(watch_signals)
+                    with reporting_bind_errors(bind):  # a busy port, named in one line
+                        binds = await nursery.start(run_server)
+                    # Said once it listens (a busy port prints only its error).
+                    bound = str(binds[0])
+                    click.echo(f"dashboard on {bound}/ ({mode})", err=True)
+                    if generated and token:
+                        click.echo(login_message(login_url(
+                            host, int(bound.rsplit(":", 1)[1]), token)), err=True)
+
+    hard: list[int] = []
     _run(dsn, serve_dashboard)
+    if hard:
+        sys.exit(EXIT_HARD_STOP)
