@@ -632,6 +632,19 @@ async def test_a_worker_stopped_before_its_lanes_run_still_drains_each_lane_once
     assert worker.stats.drains_started == worker.stats.drains_completed
 
 
+async def test_closing_the_wake_channels_send_side_stops_the_worker(queue: Queue) -> None:
+    """docs/rules.md §8: closing the wake channel's send side ends the worker, as
+    `stop()` does (the lanes' drain loops, each with its own wake, end with it)."""
+    worker = Worker(queue, executors_for_all(succeed))
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await worker.drain_once()
+            worker._wake_send.close()
+    assert worker.state.stopping.is_set()
+    assert all(lane.state.closing for lane in worker.lanes)
+
+
 async def test_poll_finds_jobs_nobody_woke_for(queue: Queue) -> None:
     """A row written by another process (here: plain SQL, no wake) is found by the
     poll. FAST polls every 0.2 s; we wait on the worker's own signal, not a sleep."""
