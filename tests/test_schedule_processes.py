@@ -81,8 +81,11 @@ async def test_four_replicas_enqueue_each_tick_once(dsn: str, db: Database,
     # them saw was recorded, not enqueued) to its end.
     assert first <= start + timedelta(seconds=2)
     assert last >= end
-    # Every job was enqueued by exactly one replica (each logs its own).
-    assert sum(per_replica.values()) == len(ticks)
+    # Every job was enqueued by exactly one replica (no tick doubled, above); each
+    # logs its own after the commit, so a replica SIGKILLed between the two loses
+    # at most that one line (seen once under load: 61 lines for 62 ticks).
+    logged = sum(per_replica.values())
+    assert len(ticks) - REPLICAS <= logged <= len(ticks), (logged, len(ticks))
     # Nothing logged an error (a failed round, a crash).
     for replica in replicas:
         assert "Traceback" not in replica.log_text(), replica.name
