@@ -55,9 +55,12 @@ from .engine.state import WorkerStats as WorkerStats
 from .engine.worker import Worker as Worker
 from .errors import ConfigurationError as ConfigurationError
 from .errors import InvalidPayload as InvalidPayload
+from .errors import JobFailed as JobFailed
 from .errors import MigrationError as MigrationError
 from .errors import NasikoQueueError as NasikoQueueError
+from .errors import NoSuchJob as NoSuchJob
 from .errors import PayloadTooLarge as PayloadTooLarge
+from .errors import ResultTimeout as ResultTimeout
 from .errors import SecretDecryptError as SecretDecryptError
 from .errors import SecretsNotConfigured as SecretsNotConfigured
 from .executors import Executors as Executors
@@ -70,6 +73,7 @@ from .plain.args import Job as Job
 from .plain.args import JobArgs as JobArgs
 from .plain.args import JobOptions as JobOptions
 from .plain.args import Unique as Unique
+from .plain.results import Results as Results
 from .plain.schedules import Schedule as Schedule
 from .plain.schedules import Scheduler as Scheduler
 from .plain.schedules import SchedulerConfig as SchedulerConfig

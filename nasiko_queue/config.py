@@ -33,6 +33,8 @@ POLL_INTERVAL = 5.0
 RECOVERY_INTERVAL = 600.0
 #: Refuse payloads larger than this at enqueue (bytes of encoded JSON).
 MAX_PAYLOAD_BYTES = 1024 * 1024
+#: The default of `QueueConfig.max_result_bytes`.
+MAX_RESULT_BYTES = 1024 * 1024
 #: The NOTIFY channel enqueue signals and workers LISTEN on.
 NOTIFY_CHANNEL = "nasiko_queue_jobs"
 #: Seconds between a worker's heartbeats. One small UPDATE on a connection of
@@ -139,6 +141,10 @@ class QueueConfig:
     prefetch_ttl: float = attrs.field(default=60.0, validator=_positive)
     #: Largest encoded payload `enqueue` accepts.
     max_payload_bytes: int = attrs.field(default=MAX_PAYLOAD_BYTES, validator=_at_least_one)
+    #: Largest encoded result a plain job's executor may return (issue #22): a
+    #: larger one is refused at completion (the job is discarded with the sizes
+    #: in its error), never truncated.
+    max_result_bytes: int = attrs.field(default=MAX_RESULT_BYTES, validator=_at_least_one)
     #: First delay when a final update or a startup sweep fails; doubles up to the cap.
     retry_initial_delay: float = attrs.field(default=0.1, validator=_positive)
     #: Longest delay between two retries of a final update.

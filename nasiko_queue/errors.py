@@ -7,6 +7,8 @@ message, so most subclasses are just a docstring.
 
 from __future__ import annotations
 
+from uuid import UUID
+
 import asyncpg
 import trio
 
@@ -56,6 +58,29 @@ class ConfigurationError(NasikoQueueError, ValueError):
 
 class CannotListen(NasikoQueueError):
     """An HTTP service could not listen where it was told (a busy port, a foreign address)."""
+
+
+class JobFailed(NasikoQueueError):
+    """
+    `Queue.result`: the job ended without a result: discarded (its attempts ran
+    out, its payload or its result was refused) or cancelled. `error` is its last
+    error, as the job row keeps it.
+    """
+
+    def __init__(self, job_id: UUID, state: str, error: str | None) -> None:
+        said = f": {error}" if error and error != state else ""
+        super().__init__(f"job {job_id} was {state}{said}")
+        self.job_id = job_id
+        self.state = state
+        self.error = error
+
+
+class NoSuchJob(NasikoQueueError, LookupError):
+    """`Queue.result`: no plain job has this id (never enqueued, or deleted by retention)."""
+
+
+class ResultTimeout(NasikoQueueError, TimeoutError):
+    """`Queue.result`: the job had not ended when the timeout passed (it goes on)."""
 
 
 class OutcomeUnknown(NasikoQueueError):

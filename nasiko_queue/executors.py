@@ -155,7 +155,8 @@ class PlainJobContext(Generic[A]):
     db: Database
 
 
-PlainExecutor = Callable[[PlainJobContext[A]], Awaitable[None]]
+#: A plain job's executor; what it returns (JSON-ready, or None) is the job's result.
+PlainExecutor = Callable[[PlainJobContext[A]], Awaitable[Any]]
 #: The backoff of plain jobs whose registration names none.
 DEFAULT_BACKOFF: BackoffFn = Backoff()
 
@@ -197,7 +198,7 @@ class Executors:
                  backoff: BackoffFn | None = None) -> PlainExecutor[A]: ...
 
     def register(
-        self, payload_type: type[Any], executor: Callable[[Any], Awaitable[None]] | None = None,
+        self, payload_type: type[Any], executor: Callable[[Any], Awaitable[Any]] | None = None,
         *, timeout: float | None = None, backoff: BackoffFn | None = None,
     ) -> Any:
         """
@@ -222,7 +223,7 @@ class Executors:
                              "the build rule (at once, max_attempts runs); backoff is for "
                              "plain jobs")
 
-        def add(fn: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        def add(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
             kind = payload_type.kind
             if kind in self._entries or kind in self._plain:
                 raise ValueError(f"an executor for kind {kind!r} is already registered")

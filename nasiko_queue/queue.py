@@ -16,8 +16,9 @@ import enum
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar, overload
 from uuid import UUID, uuid4
 
 import asyncpg
@@ -29,7 +30,10 @@ from .db.database import Database, Transaction
 from .db.statements import Q
 from .errors import InvalidPayload, PayloadTooLarge, leaves
 from .plain.args import Job, JobArgs, JobOptions, Unique
+from .plain.results import Results, open_results
 from .secrets import SecretBox
+
+T = TypeVar("T")
 
 # -- enqueue (issue #13) --
 #: Rows of one statement of `enqueue_many`: a batch of more goes in several
@@ -263,6 +267,45 @@ class Queue:
         targets' rules decide how they end); their ids return None.
         """
         return await cancel_plain_job(self.db, job_id)
+
+    # -- results (issue #22) --
+    @overload
+    async def result(self, job_id: UUID, result_type: None = None, *,
+                     timeout: float | None = None) -> Any: ...  # noqa: ASYNC109
+
+    @overload
+    async def result(self, job_id: UUID, result_type: type[T], *,
+                     timeout: float | None = None) -> T: ...  # noqa: ASYNC109
+
+    # ASYNC109: a `timeout` argument rather than only trio's `fail_after`, so that
+    # asyncio callers (`nasiko_queue.aio`) get the same call, and its expiry raises
+    # `ResultTimeout` (the job goes on) rather than a bare `trio.TooSlowError`.
+    async def result(self, job_id: UUID, result_type: type[Any] | None = None, *,
+                     timeout: float | None = None) -> Any:  # noqa: ASYNC109
+        """
+        Wait for plain job `job_id` to end and return what its executor returned
+        (None if it returned nothing): parsed JSON, or structured as
+        `result_type` (an attrs class, say) by the wire format's converter.
+        Woken by NOTIFY when the job ends, from any worker; it reads the job's
+        row only then (or every `poll_interval` while LISTEN is down). Opens one
+        LISTEN connection for the call; to wait for many jobs, share one
+        with `results()`.
+
+        Raises:
+            JobFailed: the job was discarded or cancelled; `.error` is its last error.
+            NoSuchJob: no plain job has this id (or retention deleted it).
+            ResultTimeout: it had not ended within `timeout` seconds (None: no limit).
+        """
+        async with self.results() as results:
+            return await results.wait(job_id, timeout=timeout, result_type=result_type)
+
+    def results(self) -> AbstractAsyncContextManager[Results]:
+        """
+        One LISTEN connection for many waits: ``async with queue.results() as r:``
+        then ``await r.wait(job_id, timeout=..., result_type=...)`` from any
+        number of tasks (as `result`).
+        """
+        return open_results(self.db, self.config)
 
     async def enqueue_many(
         self,

@@ -859,6 +859,28 @@ def test_job_speaks_plain_job_words_for_a_plain_job(runner: CliRunner, dsn: str)
     assert "agent_id" in built.stdout
 
 
+def test_job_shows_a_completed_jobs_result(runner: CliRunner, dsn: str) -> None:
+    """What the executor returned is shown, its sealed tokens masked (issue #22)."""
+    from .cli_executors import Ping
+    from .conftest import MASTER_KEY
+
+    async def setup(db: Database) -> UUID:
+        job = await Queue(db, config=FAST).enqueue(Ping(n=7))
+        await db.execute("UPDATE nasiko_queue_jobs SET state = 'completed', finished_at = "
+                         "now(), result = $2::jsonb WHERE id = $1", job,
+                         json.dumps({"pong": 7, "token": MASTER_KEY.seal(uuid.uuid4(), "t",
+                                                                          "s3cret")}))
+        return job
+
+    job = with_db(dsn, setup)
+    shown = invoke(runner, "job", str(job), "--dsn", dsn)
+    assert shown.exit_code == 0, shown.output
+    assert '"pong": 7' in shown.stdout
+    data = json.loads(invoke(runner, "job", str(job), "--dsn", dsn, "--json").stdout)
+    assert data["result"] == {"pong": 7, "token": "********"}
+    assert "s3cret" not in shown.stdout
+
+
 def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     runner: CliRunner, dsn: str
 ) -> None:

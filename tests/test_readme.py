@@ -92,6 +92,7 @@ _RUNS = {
     "plain jobs": _Run(stdout=lambda out: sorted(out) == [
         "sending urgent to ops@example.com attempt 1",
         "sending welcome to b@example.com attempt 1"]),
+    "results": _Run(stdout=lambda out: out == ["https://cdn.example.com/a-64.png"]),
     "cron": _Run(interrupt_after="Ctrl-C or SIGTERM once"),
     "dead letters": _Run(stdout=lambda out: out == [
         "notify ConnectionError: SMTPError: refused (1 error kept)",

@@ -66,6 +66,8 @@ class JobView:
     max_attempts: int | None = None
     run_at: datetime | None = None
     priority: int | None = None
+    #: What its executor returned (issue #22), sealed tokens masked; None: none.
+    result: Any = None
 
     @property
     def attempted_at(self) -> datetime | None:
@@ -88,6 +90,7 @@ class JobView:
             view["status"] = self.status
             view["id"] = plain_json(self.id)
             view["payload"] = self.payload
+            view["result"] = self.result
         else:
             view = {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobView)
                     if f.name != "errors"}
@@ -164,7 +167,8 @@ async def job_view(db: Database, job_id: UUID) -> JobView | None:
             completed_at=row["finished_at"], claimed_by=row["claimed_by"],
             payload=_masked(row["payload"]), errors=tuple(await job_errors(db, job_id)),
             source="plain", queue=row["queue"], state=row["state"],
-            max_attempts=row["max_attempts"], run_at=row["run_at"], priority=row["priority"])
+            max_attempts=row["max_attempts"], run_at=row["run_at"], priority=row["priority"],
+            result=_masked(row["result"]))
     row = await db.fetchrow(Q.deleted_build_job_get, job_id)
     if row is not None:
         return JobView(

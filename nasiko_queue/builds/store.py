@@ -37,6 +37,7 @@ from ..db.database import Database
 from ..db.statements import Q
 from ..engine.contracts import (
     MAX_ATTEMPTS_EXCEEDED,
+    BuildReport,
     ClaimedJob,
     Finishing,
     Heartbeat,
@@ -155,7 +156,8 @@ class PgJobStore:
                 the row's status.
         """
         token = uuid.uuid4()
-        sent = [(j, b, None if r is None else r.value) for j, b, r in finishing]
+        sent = [(j, b, r.value if isinstance(r, BuildReport) else None)
+                for j, b, r in finishing]
         sent += [(j, b, "building") for j, b in starts]
         args = (
             [j.id for j, _, _ in sent],

@@ -61,8 +61,9 @@ from .common import (
 def job_command(job_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
     """
     Show the job JOB_ID: status, attempts, times, the worker holding it, its payload
-    (secret values masked) and the error of every crashed attempt, with its
-    traceback. Errors outlive a job deleted with its target: they are shown alone.
+    (secret values masked), what its executor returned (a plain job's result) and
+    the error of every crashed attempt, with its traceback. Errors outlive a job
+    deleted with its target: they are shown alone.
     """
     dsn = _require_dsn(dsn)
 
@@ -96,6 +97,9 @@ def job_command(job_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
             row.add_row(name, "-" if value is None else escape(str(value)))
         console.print(row)
         console.print(escape(json.dumps(view.payload, indent=2)))
+        if view.result is not None:
+            console.print("[bold]result[/]")
+            console.print(escape(json.dumps(view.result, indent=2)))
     for e in errors:
         console.print(f"[bold]attempt {e.attempt}[/] {e.reason} at {e.at} "
                       f"(worker {e.worker_id or '-'}): {escape(e.error_type)}: "

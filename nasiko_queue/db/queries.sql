@@ -1013,12 +1013,14 @@ RETURNING j.id, j.kind,
 -- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
 -- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
 -- worker, $7 payload bound), in one round trip; a paused queue claims nothing,
--- but its finishes still complete. Rows with finished_id report a
+-- but its finishes still complete. $8: what each executor returned (JSON text;
+-- NULL: nothing), written as its result with the completion (migration 0017;
+-- the trigger there wakes whoever waits for it). Rows with finished_id report a
 -- finish ('completed', or NULL when no longer ours); rows with id are claims.
 WITH finished AS (
     UPDATE nasiko_queue_jobs AS j
-    SET state = 'completed', finished_at = now(), error_msg = NULL
-    FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
+    SET state = 'completed', finished_at = now(), error_msg = NULL, result = i.result::jsonb
+    FROM unnest($1::uuid[], $2::int[], $8::text[]) AS i(id, attempt, result)
     -- By primary key: a state test an index of running jobs matches would read
     -- every running job of every worker (as in jobs_finish_many_and_claim).
     WHERE j.id = ANY ($1::uuid[]) AND j.id = i.id AND coalesce(j.state, '') = 'running'
@@ -1208,8 +1210,25 @@ WHERE id = ANY (ARRAY(
 -- One plain job, for tools and tests.
 SELECT id, queue, kind, payload::text AS payload, state, priority, attempt, max_attempts,
        run_at, created_at, attempted_at, finished_at, claimed_by, cancel_requested,
-       error_msg, unique_key
+       error_msg, unique_key, result::text AS result
 FROM nasiko_queue_jobs WHERE id = $1;
+
+-- ============================================================================
+-- Results (issue #22, migration 0017).
+-- ============================================================================
+
+-- name: plain_result
+-- What `Queue.result` reads of job $1: its state, result and last error.
+SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id = $1;
+
+-- name: result_wait_add
+-- Waiter $2 waits for job $1: its end notifies (the trigger of migration 0017).
+INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
+ON CONFLICT DO NOTHING;
+
+-- name: result_wait_remove
+-- Waiter $2 no longer waits for job $1 (it got its answer, or gave up).
+DELETE FROM nasiko_queue_result_waits WHERE job_id = $1 AND waiter = $2;
 
 -- ============================================================================
 -- Dead-letter queue and job listings (the `jobs` API and CLI).

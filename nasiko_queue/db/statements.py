@@ -121,6 +121,10 @@ class Queries:
     plain_sweep_stuck: str
     plain_prune: str
     plain_get: str
+    # -- results (issue #22)
+    plain_result: str
+    result_wait_add: str
+    result_wait_remove: str
     deleted_build_jobs_prune: str
     # -- dead-letter queue and job listings
     jobs_list: str

@@ -87,10 +87,20 @@ class ClaimedJob:
         return self.connector_id is not None
 
 
+@attrs.frozen
+class JobResult:
+    """What a plain job's executor returned, as the completing statement writes it
+    (`nasiko_queue_jobs.result`, issue #22): JSON text, checked and within
+    `QueueConfig.max_result_bytes`."""
+
+    json: str
+
+
 #: A finish as the store sends it: the job, the build row that decides it (None for
-#: a plain job), and what its executor reported through its context (None: nothing,
-#: the build row decides as it stands).
-Finishing = tuple[ClaimedJob, UUID | None, BuildReport | None]
+#: a plain job), and what its executor reported: for a build job, through its
+#: context (None: nothing, the build row decides as it stands); for a plain job,
+#: the value it returned (None: it returned None).
+Finishing = tuple[ClaimedJob, UUID | None, BuildReport | JobResult | None]
 
 #: A start write (`JobContext.mark_building`): the job and its build row.
 Starting = tuple[ClaimedJob, UUID]

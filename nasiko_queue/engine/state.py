@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from ..config import QueueConfig
-from .contracts import BuildReport, ClaimedJob, LostClaim, Starting
+from .contracts import BuildReport, ClaimedJob, JobResult, LostClaim, Starting
 
 #: Statements the producer keeps in flight at once with several slots.
 STATEMENTS_IN_FLIGHT = 2
@@ -159,9 +159,10 @@ class Finish:
     #: "<kind> <label>", computed by the slot: the completer runs no code of the
     #: payload type's, so a bug there cannot take it down.
     label: str
-    #: What the executor reported through its context, for the completer's
-    #: statement to write to the build row (None: the build row decides as it is).
-    report: BuildReport | None = None
+    #: What the executor reported: a build job's report through its context, for
+    #: the completer's statement to write to the build row (None: the build row
+    #: decides as it is); a plain job's returned value (None: it returned None).
+    report: BuildReport | JobResult | None = None
 
 
 @attrs.define(eq=False)

@@ -12,7 +12,9 @@ The steps, in order:
    input is not retried, and the worker goes on);
 4. the run, guarded in a cancel scope of its own, bounded by the job's run-time
    limit and by the fence (`Slots.run_guarded`, the same as build jobs). A
-   return completes the job (the completer's batched statement); a crash or a
+   return completes the job (the completer's batched statement), with what the
+   executor returned as its result (`results.encode_result`; a value that
+   cannot be stored discards the job, "result refused: ..."); a crash or a
    timeout makes it available again after its backoff, or discards it on its
    last attempt; a cancel request stops it and ends it `cancelled`.
 
@@ -43,6 +45,7 @@ from ..errors import FinalWriteRefused, InvalidPayload
 from ..executors import PlainJobContext
 from ..job_errors import JobError, minimal_text, one_line_error, secret_values
 from .args import JobArgs
+from .results import ResultRefused, encode_result
 from .store import CANCELLED, DISCARDED, PlainJobStore
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -58,6 +61,9 @@ MAX_BACKOFF = 365 * 86_400.0
 BACKOFF_FALLBACK = 60.0
 #: The error of a job discarded because the database refused its outcome.
 UNRECORDED = "could not record the outcome: "
+#: The error of a job discarded because its executor's return value cannot be
+#: stored (issue #22), before the reason.
+RESULT_REFUSED = "result refused: "
 
 
 def clamp_backoff(delay: float) -> float | None:
@@ -99,14 +105,28 @@ class PlainJobExecutor(Slots[PlainJobStore]):
         ctx = PlainJobContext(job_id=job.id, attempt=job.attempt, max_attempts=job.max_attempts,
                               queue=job.queue, payload=args, db=self.queue.db)
         limit = self.executors.timeout_for(args.kind) or self.config.job_timeout
-        ran, error = await self.run_guarded(job, lambda: executor(ctx), label, limit,
+        returned: list[object] = []
+
+        async def run() -> None:
+            returned.append(await executor(ctx))
+
+        ran, error = await self.run_guarded(job, run, label, limit,
                                             lambda: secret_values(args))
         if error is not None:  # it crashed or timed out: kept, logged
             await self._retry(job, error)
             return None
         if ran is Ran.FENCED:
             return None
-        return Finish(job=job, build_id=None, label=label)
+        try:
+            result = encode_result(returned[0] if returned else None,
+                                   self.config.max_result_bytes)
+        except ResultRefused as exc:
+            # Not retried: the run's effects are done, and the same run would
+            # return the same value.
+            log.error("job %s (%s): %s; discarding it", job.id, label, exc)
+            await self._end(job, DISCARDED, f"{RESULT_REFUSED}{exc}")
+            return None
+        return Finish(job=job, build_id=None, label=label, report=result)
 
     async def reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
         """An internal error around the run (not the executor's): a crash."""

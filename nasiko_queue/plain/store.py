@@ -23,7 +23,14 @@ from ..config import QueueConfig
 from ..db.claims import end_claims_backend, fetch_claiming, without_flush_wait
 from ..db.database import Database
 from ..db.statements import Q
-from ..engine.contracts import ClaimedJob, Finishing, JobStatus, LostClaim, Starting
+from ..engine.contracts import (
+    ClaimedJob,
+    Finishing,
+    JobResult,
+    JobStatus,
+    LostClaim,
+    Starting,
+)
 from ..job_errors import JobError, storable
 
 log = logging.getLogger("nasiko_queue.jobs")
@@ -79,12 +86,14 @@ class PlainJobStore:
         """
         Complete each job of `finishing` (its executor returned) and claim up to
         `limit`, in one round trip. A completed job reports `JobStatus.DONE`.
-        Plain jobs have no build row: nothing is reported or started.
+        Plain jobs have no build row: nothing is started; what an executor
+        returned (`JobResult`) is written as the job's result.
         """
         token = uuid.uuid4()
         args = ([j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing],
                 self.queue, limit, token, self._worker_id(),
-                self._config.max_payload_bytes)
+                self._config.max_payload_bytes,
+                [r.json if isinstance(r, JobResult) else None for _, _, r in finishing])
         rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
                                     claims=limit > 0, bound=self._bound)
         statuses: dict[UUID, JobStatus | None] = {}

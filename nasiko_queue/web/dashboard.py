@@ -246,7 +246,9 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         timeline.sort(key=lambda t: t[1])
         return dash.render(request, "job.html", job=view, timeline=timeline,
                            payload=json.dumps(view.payload, indent=2, sort_keys=True,
-                                              default=str))
+                                              default=str),
+                           result=None if view.result is None else json.dumps(
+                               view.result, indent=2, sort_keys=True, default=str))
 
     async def workers(request: Request) -> Response:
         return dash.render(request, "workers.html", workers=await list_workers(db),
