@@ -34,6 +34,7 @@ from nasiko_queue.plain.results import ResultRefused, decode_result, encode_resu
 
 from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE, running
+from .test_cancel_race import _blocked_by
 
 
 @attrs.frozen(kw_only=True)
@@ -283,3 +284,42 @@ def test_encode_result_refuses_what_jsonb_cannot_hold_and_keeps_the_rest() -> No
     with pytest.raises(ResultRefused, match="not JSON"):
         encode_result(object(), 100)
     assert QueueConfig().max_result_bytes == 1024 * 1024
+
+
+async def test_a_wait_that_starts_while_the_jobs_end_commits_sees_the_end(queue: Queue) -> None:
+    """Regression (review of 18ab46b): the end's trigger ran before the wait existed,
+    so it notified nobody; the wait read the row before the end committed and
+    blocked for good. The wait's read is FOR SHARE: it waits for that commit."""
+    job_id = await queue.enqueue(Resize(n=1), delay=3600)
+    caught: list[BaseException] = []
+    with trio.fail_after(TEST_DEADLINE):
+        async with waiter(queue).results() as results, trio.open_nursery() as nursery:
+
+            async def wait() -> None:
+                try:
+                    await results.wait(job_id)
+                except JobFailed as exc:
+                    caught.append(exc)
+
+            async with queue.db.transaction() as tx:
+                assert await tx.fetchval("SELECT nasiko_queue_cancel($1)", job_id) == "cancelled"
+                nursery.start_soon(wait)
+                # Committed once the wait's read is blocked on the ending transaction.
+                await _blocked_by(queue.db, await tx.fetchval("SELECT pg_backend_pid()"))
+    [failed] = caught
+    assert isinstance(failed, JobFailed)
+    assert failed.state == "cancelled"
+
+
+def test_results_that_break_the_encoder_are_refused_not_crashed() -> None:
+    """Regression (review of 18ab46b): a lone surrogate or deep nesting escaped as an
+    internal error (retried, the run's effects done again); an escaped backslash
+    before "u0000" was taken for a NUL."""
+    with pytest.raises(ResultRefused, match="not JSON"):
+        encode_result("name-\udcff.png", 100)
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ResultRefused, match="not JSON"):
+        encode_result(deep, 10_000_000)
+    assert encode_result("a\\u0000b", 100) is not None

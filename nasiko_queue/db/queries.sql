@@ -1226,6 +1226,17 @@ SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id 
 INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
 ON CONFLICT DO NOTHING;
 
+-- name: result_wait_and_read
+-- Waiter $2 waits for job $1, then reads it as `plain_result`, FOR SHARE: a run's
+-- end whose trigger ran before this wait existed still holds the row, so the read
+-- waits for its commit and sees the end (the trigger could not have notified).
+WITH waits AS (
+    INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
+    ON CONFLICT DO NOTHING
+)
+SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id = $1
+FOR SHARE;
+
 -- name: result_wait_remove
 -- Waiter $2 no longer waits for job $1 (it got its answer, or gave up).
 DELETE FROM nasiko_queue_result_waits WHERE job_id = $1 AND waiter = $2;
@@ -1338,7 +1349,7 @@ SELECT state, unique_key FROM nasiko_queue_jobs WHERE id = $1 FOR UPDATE;
 -- in one of this job's unique states raises unique_violation.
 UPDATE nasiko_queue_jobs
 SET state = 'available', attempt = 0, run_at = now(), error_msg = NULL, finished_at = NULL,
-    claimed_by = NULL, claim_token = NULL, cancel_requested = false
+    claimed_by = NULL, claim_token = NULL, cancel_requested = false, result = NULL
 WHERE id = $1 AND state IN ('discarded', 'cancelled');
 
 -- name: plain_delete_finished

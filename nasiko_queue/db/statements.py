@@ -124,6 +124,7 @@ class Queries:
     # -- results (issue #22)
     plain_result: str
     result_wait_add: str
+    result_wait_and_read: str
     result_wait_remove: str
     deleted_build_jobs_prune: str
     # -- dead-letter queue and job listings

@@ -55,8 +55,8 @@ def encode_result(value: object, limit: int) -> JobResult | None:
     """
     The result row's JSON of an executor's return `value` (None: no result).
 
-    attrs classes, dataclasses, enums, datetimes and the rest of what the wire
-    format's converter knows become their JSON form, as payloads do.
+    attrs classes, enums and the rest of what the wire format's converter
+    knows become their JSON form, as payloads do.
 
     Raises:
         ResultRefused: not JSON (a set, an object the converter does not know,
@@ -67,12 +67,12 @@ def encode_result(value: object, limit: int) -> JobResult | None:
         return None
     try:
         text = _JSON.encode(converter.unstructure(value))
-    except (TypeError, ValueError) as exc:
+        size = len(text.encode())
+    except (TypeError, ValueError, RecursionError) as exc:  # UnicodeError is a ValueError
         raise ResultRefused(f"the result is not JSON: {one_line(exc)}") from None
-    if "\\u0000" in text:
+    if "\\u0000" in text.replace("\\\\", ""):  # an escaped NUL, not an escaped backslash
         raise ResultRefused("the result holds a NUL character (\\u0000), which PostgreSQL's "
                             "jsonb cannot store")
-    size = len(text.encode())
     if size > limit:
         raise ResultRefused(f"the result is {size} bytes encoded, over max_result_bytes "
                             f"({limit})")
@@ -137,12 +137,18 @@ class Results:
         recorded = False
         try:
             while True:
-                if not recorded and self.listening:
-                    # Recorded after LISTEN is up and before the row is read: a job
-                    # that ends after the read finds the wait and notifies.
-                    await self._db.execute(Q.result_wait_add, job_id, waiter)
-                    recorded = True
-                row = await self._db.fetchrow(Q.plain_result, job_id)
+                armed = self.listening
+                if armed:
+                    # The wait is recorded (again: a job's end consumes it, and an
+                    # operator may retry the job) and the row read FOR SHARE in one
+                    # statement: an end whose trigger ran before the wait existed
+                    # still holds the row until it commits, so the read waits for it
+                    # and sees the end; an end that locks the row later finds the
+                    # wait and notifies.
+                    recorded = True  # before the insert: removing a row not there is harmless
+                    row = await self._db.fetchrow(Q.result_wait_and_read, job_id, waiter)
+                else:
+                    row = await self._db.fetchrow(Q.plain_result, job_id)
                 if row is None:
                     raise NoSuchJob(f"no plain job {job_id}")
                 if row["state"] == "completed":
@@ -152,7 +158,7 @@ class Results:
                     raise JobFailed(job_id, row["state"], row["error_msg"])
                 if self.on_waiting is not None:
                     self.on_waiting(job_id)
-                if self.listening and recorded:
+                if armed and self.listening:
                     await event.wait()
                 else:
                     with trio.move_on_after(self._config.poll_interval):
