@@ -89,10 +89,15 @@ def test_from_psycopg_in_the_callers_transaction(dsn: str) -> None:
                 "SELECT nasiko_queue_enqueue(%s, %s::jsonb, queue => %s, priority => %s, "
                 "max_attempts => %s, delay => %s)",
                 ("ship", json.dumps({"order": 1}), "shipping", -5, 3, 60)).fetchone()
-        with pytest.raises(ZeroDivisionError), conn.transaction():
-            conn.execute("INSERT INTO orders VALUES (2)")
-            conn.execute("SELECT nasiko_queue_enqueue('ship', '{\"order\": 2}')")
-            raise ZeroDivisionError  # the view fails: its rows and its job go
+
+        def failing_view() -> None:
+            with conn.transaction():
+                conn.execute("INSERT INTO orders VALUES (2)")
+                conn.execute("SELECT nasiko_queue_enqueue('ship', '{\"order\": 2}')")
+                raise ZeroDivisionError  # the view fails: its rows and its job go
+
+        with pytest.raises(ZeroDivisionError):
+            failing_view()
         orders = conn.execute("SELECT id FROM orders").fetchall()
     assert orders == [(1,)]
     [job] = jobs(dsn)
