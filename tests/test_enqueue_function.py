@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import textwrap
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
@@ -145,22 +148,17 @@ def test_notify_at_commit_and_not_on_rollback(dsn: str) -> None:
     assert committed == [f"{CHANNEL}:", f"{CHANNEL}:sentinel"]
 
 
+def readme_trigger() -> str:
+    """The README's trigger example (its ```sql block marked ``-- readme: trigger``)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    [block] = re.findall(r"```sql\n\s*-- readme: trigger\n(.*?)```", text, flags=re.DOTALL)
+    return textwrap.dedent(block)
+
+
 def test_from_a_trigger(dsn: str) -> None:
     """A row inserted enqueues a job in the same transaction (the README's example)."""
     with psycopg.connect(dsn) as conn:
-        conn.execute("""
-            CREATE TABLE signups (id serial PRIMARY KEY, email text NOT NULL);
-            CREATE FUNCTION welcome_signup() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                PERFORM nasiko_queue_enqueue('send_welcome',
-                                             jsonb_build_object('email', NEW.email),
-                                             queue => 'email',
-                                             unique_key => 'welcome:' || NEW.email);
-                RETURN NEW;
-            END $$;
-            CREATE TRIGGER welcome AFTER INSERT ON signups
-                FOR EACH ROW EXECUTE FUNCTION welcome_signup();
-        """)
+        conn.execute(readme_trigger())
         conn.commit()
         conn.execute("INSERT INTO signups (email) VALUES ('a@x'), ('b@x')")
         conn.commit()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -34,6 +35,7 @@ from ..executors import Executors
 from ..plain.schedules import Schedule
 from ..queue import Queue
 from ..secrets import SecretBox
+from .state import WorkerStats
 from .worker import Worker
 
 log = logging.getLogger("nasiko_queue.thread")
@@ -107,6 +109,27 @@ class WorkerThread:
         """Wait for the thread to end; True if it has."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def wait_for(self, condition: Callable[[WorkerStats], bool], *,
+                 timeout: float | None = None) -> None:
+        """
+        Block until `condition(worker.stats)` holds (``lambda s: s.done >= 1``):
+        for a script or a test that must know its jobs have run, without sleeping.
+
+        Raises:
+            TimeoutError: it did not hold within `timeout` seconds.
+        """
+        worker = self.worker
+        if worker is None:
+            raise RuntimeError("the worker thread is not running")
+
+        async def wait() -> None:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await worker.wait_for(condition)
+                return
+            raise TimeoutError(f"the worker's condition did not hold within {timeout}s")
+
+        self.run(wait)
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run async function `fn(*args)` in the worker's trio loop and return its
