@@ -11,10 +11,11 @@ an application would (pytest-trio runs only the `async def` tests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID, uuid4
 
@@ -253,3 +254,81 @@ def test_worker_thread_that_cannot_start_says_why(empty_dsn: str) -> None:
     with pytest.raises(RuntimeError, match="could not start") as caught:
         nq.start_worker_thread(empty_dsn, resize_executors(), config=FAST)
     assert caught.value.__cause__ is not None
+
+
+def test_worker_thread_hard_stop_past_its_timeout_puts_the_job_back(dsn: str) -> None:
+    """A job that never ends: the graceful stop's timeout passes (0 s here), the
+    stop turns hard, and the job is available again at once, its attempt counted."""
+    started = threading.Event()
+    executors = Executors()
+
+    @executors.register(Resize)
+    async def hang(_ctx: PlainJobContext[Resize]) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    thread = nq.start_worker_thread(dsn, executors, config=FAST)
+    try:
+        job_id = on_pool(dsn, lambda pool: aio.enqueue(pool, Resize(url="hang")))
+        assert started.wait(TEST_DEADLINE)
+    finally:
+        thread.stop(timeout=0)
+    assert not thread.running
+
+    async def row(pool: asyncpg.Pool) -> tuple[str, int]:
+        found = await pool.fetchrow("SELECT state, attempt FROM nasiko_queue_jobs "
+                                    "WHERE id = $1", job_id)
+        return found["state"], found["attempt"]
+
+    assert on_pool(dsn, row) == ("available", 1)
+
+
+def test_fastapi_app_serves_while_jobs_run_and_stops_gracefully(dsn: str) -> None:
+    """The worker thread in a FastAPI app's lifespan: requests are answered while a
+    job runs; the app's shutdown with the job in flight lets it finish (completed,
+    its result stored), and nothing is lost."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    started, release, stopping = threading.Event(), threading.Event(), threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker = await asyncio.to_thread(nq.start_worker_thread, dsn,
+                                         resize_executors(started, release), config=FAST)
+        try:
+            async with asyncpg.create_pool(dsn, min_size=1, max_size=2) as app.state.pool:
+                yield
+        finally:
+            await asyncio.to_thread(worker.request_stop)
+            stopping.set()  # asked while the job still runs: it cannot end before release
+            await asyncio.to_thread(worker.stop, timeout=TEST_DEADLINE)
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/resize")
+    async def create(url: str) -> dict[str, str]:
+        return {"job": str(await aio.enqueue(app.state.pool, Resize(url=url)))}
+
+    @app.get("/count")
+    async def count() -> dict[str, int]:
+        return {"jobs": await app.state.pool.fetchval("SELECT count(*) FROM nasiko_queue_jobs")}
+
+    with TestClient(app) as client:
+        job_id = UUID(client.post("/resize", params={"url": "slow"}).json()["job"])
+        assert started.wait(TEST_DEADLINE)  # the job runs ...
+        assert client.get("/count").json() == {"jobs": 1}  # ... and requests are served
+        # The job may end once the shutdown has asked the worker to stop.
+        releaser = threading.Thread(target=lambda: stopping.wait(TEST_DEADLINE)
+                                    and release.set())
+        releaser.start()
+    releaser.join()
+    assert stopping.is_set()
+    # Out of the block: the lifespan ended, so the worker thread has stopped.
+
+    async def row(pool: asyncpg.Pool) -> tuple[str, str]:
+        found = await pool.fetchrow("SELECT state, result::text AS r FROM nasiko_queue_jobs "
+                                    "WHERE id = $1", job_id)
+        return found["state"], found["r"]
+
+    assert on_pool(dsn, row) == ("completed", '{"url": "thumb-slow", "width": 64}')
