@@ -11,6 +11,11 @@ rows, and its NOTIFY is sent only if it commits. Jobs are encoded by the codec
 for every entry point. Plain jobs only: a build job is enqueued with its target
 by `Queue.enqueue` (the function refuses the build kinds).
 
+The loop: `import nasiko_queue` imports trio-asyncio, which makes
+`asyncio.new_event_loop()` (so `asyncio.run`) build trio-asyncio's synchronous
+loop in a thread that set no event loop policy; pass a loop factory (uvicorn does)
+or set `asyncio.DefaultEventLoopPolicy()` to keep a plain asyncio loop.
+
 >>> job_id = await aio.enqueue(pool, SendEmail(to="a@example.com", subject="hi"))
 >>> async with pool.acquire() as conn, conn.transaction():
 ...     await conn.execute("INSERT INTO orders ...")

@@ -4,8 +4,9 @@ cancel and result from asyncio over asyncpg, joining the caller's transaction,
 with the trio API's codec; and the worker in a thread of the asyncio process
 (`nq.start_worker_thread`) running what it enqueued.
 
-Each test is a plain function that runs its asyncio part with `asyncio.run`, as
-an application would (pytest-trio runs only the `async def` tests).
+Each test is a plain function that runs its asyncio part on a plain asyncio loop
+(`plain_asyncio.run_asyncio`, which checks it is one), as an application's server
+does (pytest-trio runs only the `async def` tests).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from nasiko_queue import (
 
 from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE
+from .plain_asyncio import PLAIN_ASYNCIO, run_asyncio
 
 T = TypeVar("T")
 
@@ -70,7 +72,7 @@ def on_pool(dsn: str, fn: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
         async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
             return await fn(pool)
 
-    return asyncio.run(main())
+    return run_asyncio(main())
 
 
 async def payloads(pool: asyncpg.Pool) -> dict[UUID, dict[str, Any]]:
@@ -308,13 +310,14 @@ def test_fastapi_app_serves_while_jobs_run_and_stops_gracefully(dsn: str) -> Non
 
     @app.post("/resize")
     async def create(url: str) -> dict[str, str]:
+        assert type(asyncio.get_running_loop()).__module__.startswith("asyncio")
         return {"job": str(await aio.enqueue(app.state.pool, Resize(url=url)))}
 
     @app.get("/count")
     async def count() -> dict[str, int]:
         return {"jobs": await app.state.pool.fetchval("SELECT count(*) FROM nasiko_queue_jobs")}
 
-    with TestClient(app) as client:
+    with TestClient(app, backend_options=PLAIN_ASYNCIO) as client:
         job_id = UUID(client.post("/resize", params={"url": "slow"}).json()["job"])
         assert started.wait(TEST_DEADLINE)  # the job runs ...
         assert client.get("/count").json() == {"jobs": 1}  # ... and requests are served

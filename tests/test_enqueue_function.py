@@ -3,7 +3,7 @@ The SQL enqueue function (issue #26, migration 0019): from asyncpg and from
 psycopg inside the caller's transaction, from a trigger, its unique and batch
 forms, its errors, and the NOTIFY that wakes a worker.
 
-asyncpg runs under `asyncio.run` (no trio: an application's own driver), psycopg
+asyncpg runs on a plain asyncio loop (no trio: an application's own driver), psycopg
 synchronously, each on connections of its own, as an application's would be.
 """
 
@@ -30,6 +30,7 @@ from nasiko_queue.db.database import Database
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE, running
+from .plain_asyncio import run_asyncio
 
 T = TypeVar("T")
 
@@ -45,7 +46,7 @@ def on_asyncpg(dsn: str, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
         finally:
             await conn.close()
 
-    return asyncio.run(main())
+    return run_asyncio(main())
 
 
 def jobs(dsn: str) -> list[dict[str, Any]]:
@@ -143,7 +144,7 @@ def test_notify_at_commit_and_not_on_rollback(dsn: str) -> None:
             await caller.close()
         return rounds
 
-    rolled_back, committed = asyncio.run(main())
+    rolled_back, committed = run_asyncio(main())
     assert rolled_back == [f"{CHANNEL}:sentinel"]
     assert committed == [f"{CHANNEL}:", f"{CHANNEL}:sentinel"]
 
