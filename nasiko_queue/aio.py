@@ -50,7 +50,7 @@ T = TypeVar("T")
 
 #: An asyncpg connection or pool (a pool runs each call on a connection of its own).
 #: Any: asyncpg ships no type information.
-Executor: TypeAlias = Any
+AsyncpgConn: TypeAlias = Any
 
 
 #: The codec of jobs without secrets, made once (a codec holds no state per call).
@@ -62,7 +62,7 @@ def _codec(secrets: SecretBox | None) -> PayloadCodec:
 
 
 async def enqueue(
-    conn: Executor,
+    conn: AsyncpgConn,
     args: JobArgs,
     *,
     run_at: datetime | None = None,
@@ -91,7 +91,7 @@ async def enqueue(
 
 
 async def enqueue_many(
-    conn: Executor,
+    conn: AsyncpgConn,
     jobs: Sequence[JobArgs | Job],
     *,
     secrets: SecretBox | None = None,
@@ -109,7 +109,7 @@ async def enqueue_many(
     return ids
 
 
-async def cancel(conn: Executor, job_id: UUID) -> CancelResult | None:
+async def cancel(conn: AsyncpgConn, job_id: UUID) -> CancelResult | None:
     """Cancel a plain job, as `Queue.cancel` does (the rule is the database's,
     migration 0013); None when no plain job has this id."""
     answer: str | None = await conn.fetchval(Q.plain_cancel, job_id)
@@ -117,16 +117,16 @@ async def cancel(conn: Executor, job_id: UUID) -> CancelResult | None:
 
 
 @overload
-async def result(conn: Executor, job_id: UUID, result_type: None = None, *,
+async def result(conn: AsyncpgConn, job_id: UUID, result_type: None = None, *,
                  timeout: float | None = None) -> Any: ...  # noqa: ASYNC109
 
 
 @overload
-async def result(conn: Executor, job_id: UUID, result_type: type[T], *,
+async def result(conn: AsyncpgConn, job_id: UUID, result_type: type[T], *,
                  timeout: float | None = None) -> T: ...  # noqa: ASYNC109
 
 
-async def result(conn: Executor, job_id: UUID, result_type: type[Any] | None = None, *,
+async def result(conn: AsyncpgConn, job_id: UUID, result_type: type[Any] | None = None, *,
                  timeout: float | None = None) -> Any:  # noqa: ASYNC109
     """
     The result of plain job `job_id` once it has completed (None when its
@@ -152,7 +152,7 @@ async def result(conn: Executor, job_id: UUID, result_type: type[Any] | None = N
 
 
 @contextlib.asynccontextmanager
-async def _listening(conn: Executor) -> AsyncIterator[tuple[asyncpg.Connection,
+async def _listening(conn: AsyncpgConn) -> AsyncIterator[tuple[asyncpg.Connection,
                                                              asyncio.Queue[str]]]:
     """A connection LISTENing on the results channel, and the ids it hears."""
     async with contextlib.AsyncExitStack() as stack:

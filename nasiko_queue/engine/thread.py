@@ -18,6 +18,7 @@ stops hard, and the running jobs go back to pending, as on a second Ctrl-C.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -55,7 +56,7 @@ class WorkerThread:
     def __init__(self, database: DatabaseConfig | str, executors: Executors, *,
                  config: QueueConfig | None = None, secrets: SecretBox | None = None,
                  schedules: Sequence[Schedule] = (), migrate: bool = False,
-                 name: str = "nasiko-queue worker") -> None:
+                 stop_at_exit: bool = True, name: str = "nasiko-queue worker") -> None:
         self._database = database
         self._executors = executors
         self._config = config
@@ -64,9 +65,15 @@ class WorkerThread:
         self._migrate = migrate
         self.worker: Worker | None = None
         self.queue: Queue | None = None
+        self._stop_at_exit = stop_at_exit
         self._token: trio.lowlevel.TrioToken | None = None
+        #: Around everything the thread does (the database's opening included),
+        #: so that a hard stop can end it at any point.
         self._scope: trio.CancelScope | None = None
+        #: Set once `_token` and `_scope` are (or the thread has ended).
+        self._reachable = threading.Event()
         self._started = threading.Event()
+        self._stop_requested = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
@@ -79,8 +86,12 @@ class WorkerThread:
         if not self._started.wait(timeout):
             self.stop(timeout=0)
             raise TimeoutError(f"the worker thread had not started after {timeout}s")
-        if self._error is not None:
+        if self._error is not None or self.worker is None:
             raise RuntimeError("the worker thread could not start") from self._error
+        if self._stop_at_exit:
+            # A daemon thread is frozen at exit, its jobs left for the rescue to
+            # find a lease later; atexit runs before that: stop gracefully.
+            atexit.register(self.stop)
 
     def stop(self, *, timeout: float | None = 30.0) -> None:
         """
@@ -88,6 +99,7 @@ class WorkerThread:
         finish. Past `timeout` seconds (None: no limit) it stops hard: the jobs
         still running are cancelled and go back to pending at once.
         """
+        atexit.unregister(self.stop)
         if not self._thread.is_alive():
             return
         self.request_stop()
@@ -95,6 +107,7 @@ class WorkerThread:
         if self._thread.is_alive():
             log.warning("the worker thread had not stopped after %ss; stopping it now "
                         "(running jobs go back to pending)", timeout)
+            self._reachable.wait()
             if self._scope is not None:
                 self._in_trio(self._scope.cancel)
             self._thread.join()
@@ -102,6 +115,9 @@ class WorkerThread:
     def request_stop(self) -> None:
         """Ask for the graceful stop and return at once (it has taken effect: no
         claim begins after it); `stop()` or `join()` waits for the running jobs."""
+        # Seen by the thread if the worker starts after this (it stops at once),
+        # or the worker is already there to be stopped: either way, once.
+        self._stop_requested = True
         if self.worker is not None:
             self._in_trio(self.worker.stop)
 
@@ -164,36 +180,43 @@ class WorkerThread:
             self._error = exc
             log.exception("the worker thread stopped on an error")
         finally:
+            self._reachable.set()
             self._started.set()
 
     async def _run(self) -> None:
-        async with open_database(self._database) as db:
-            if self._migrate:
-                await migrate_database(db)
-            queue = Queue(db, config=self._config, secrets=self._secrets)
-            worker = Worker(queue, self._executors, schedules=self._schedules)
-            async with trio.open_nursery() as nursery:
-                self._scope = nursery.cancel_scope
-                self._token = trio.lowlevel.current_trio_token()
-                await nursery.start(worker.run)
-                self.queue, self.worker = queue, worker
-                self._started.set()
+        with trio.CancelScope() as self._scope:
+            self._token = trio.lowlevel.current_trio_token()
+            self._reachable.set()
+            async with open_database(self._database) as db:
+                if self._migrate:
+                    await migrate_database(db)
+                queue = Queue(db, config=self._config, secrets=self._secrets)
+                worker = Worker(queue, self._executors, schedules=self._schedules)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(worker.run)
+                    self.queue, self.worker = queue, worker
+                    if self._stop_requested:
+                        worker.stop()
+                    self._started.set()
 
 
 def start_worker_thread(database: DatabaseConfig | str, executors: Executors, *,
                         config: QueueConfig | None = None, secrets: SecretBox | None = None,
                         schedules: Sequence[Schedule] = (), migrate: bool = False,
+                        stop_at_exit: bool = True,
                         start_timeout: float | None = 60.0) -> WorkerThread:
     """
     Run a worker for `executors` in a thread of this process; return once it has
     started. Stop it with `.stop()` (graceful, then hard past its timeout), or use
     the result as a context manager. `migrate=True` applies the migrations first.
+    With `stop_at_exit` (the default) the process's exit stops it gracefully too
+    (atexit), for apps with no shutdown hook of their own (Django).
     Arguments as for `Queue` and `Worker`; `database` a DSN or a `DatabaseConfig`.
 
     From a FastAPI lifespan, a Django ``AppConfig.ready``, a Flask app factory: one
     per process (or more, each its own worker).
     """
     thread = WorkerThread(database, executors, config=config, secrets=secrets,
-                          schedules=schedules, migrate=migrate)
+                          schedules=schedules, migrate=migrate, stop_at_exit=stop_at_exit)
     thread.start(timeout=start_timeout)
     return thread
