@@ -11,7 +11,7 @@ Layout (each package and module is named for what it holds):
   jobs, its drain loop), ``producer`` (the claim), ``slots``, ``completer``,
   ``state`` (what the parts share), ``heartbeat``, ``listener``, ``maintenance``
   (rescue, stuck sweep), ``retry``, ``contracts`` (the claimed job and the store
-  protocols)
+  protocols), ``thread`` (the worker in a thread of a non-trio application)
 * ``builds/``   build jobs, the original's port: ``payloads`` (the seven types and
   their wire converter), ``store`` (every transition of a ``build_jobs`` row),
   ``executor`` (a build job's steps), ``terminalize`` (a failed job's target)
@@ -22,6 +22,9 @@ Layout (each package and module is named for what it holds):
 * ``db/``       asyncpg through trio-asyncio (``database``), the engine's own
   connections, ``queries.sql`` (every statement, by name) and its loader
   (``statements``), ``migrate``, the ``embedded`` PostgreSQL
+* ``aio``, ``sync``: enqueue (and cancel, await results) from an asyncio
+  application over asyncpg, or over any DB-API connection, through the SQL
+  function of migration 0019; neither needs trio running
 * ``cli/``      the ``nasiko-queue`` command, a module per command group
 * ``web/``      the [http] extra: health, metrics, the dashboard
 * ``testing/``  helpers for users' test suites: fixtures, the models and the
@@ -52,6 +55,8 @@ from .engine.contracts import JobStatus as JobStatus
 from .engine.signals import EXIT_HARD_STOP as EXIT_HARD_STOP
 from .engine.signals import run_worker as run_worker
 from .engine.state import WorkerStats as WorkerStats
+from .engine.thread import WorkerThread as WorkerThread
+from .engine.thread import start_worker_thread as start_worker_thread
 from .engine.worker import Worker as Worker
 from .errors import ConfigurationError as ConfigurationError
 from .errors import InvalidPayload as InvalidPayload

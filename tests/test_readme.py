@@ -98,6 +98,10 @@ _RUNS = {
         "notify ConnectionError: SMTPError: refused (1 error kept)",
         "sent to ops@example.com on attempt 1"]),
     "health": _Run(interrupt_after="Ctrl-C or SIGTERM once"),
+    # Enqueue from any application (issue #26): the job a request enqueued ran in
+    # the worker thread and its result came back; the view that failed left no job.
+    "fastapi": _Run(stdout=lambda out: out == ["https://cdn.example.com/a-64.png"]),
+    "django": _Run(stdout=lambda out: out == ["welcome, a@example.com", "signups: 1"]),
 }
 
 

@@ -1795,3 +1795,20 @@ FROM pg_class AS c
 JOIN pg_stats AS s ON s.schemaname = current_schema() AND s.tablename = 'build_jobs'
                   AND s.attname = 'status'
 WHERE c.oid = to_regclass('build_jobs');
+
+-- ============================================================================
+-- Enqueue from any application (issue #26): the SQL functions of migration 0019,
+-- called by the asyncio client (nasiko_queue.aio) and the DB-API one
+-- (nasiko_queue.sync, which turns $n into the driver's %s).
+
+-- name: enqueue_function
+-- One plain job: $1 kind, $2 its payload (the codec's JSON, kind included), $3
+-- queue, $4 priority, $5 run_at, $6 max_attempts, $7 unique key, $8 its states,
+-- $9 delay in seconds; NULL takes the default. Returns its id, or the id of the
+-- job that holds the unique key.
+SELECT nasiko_queue_enqueue($1, $2::jsonb, $3, $4, $5::timestamptz, $6, $7, $8::text[],
+                            $9::double precision);
+
+-- name: enqueue_function_many
+-- A batch: $1 a JSON array of jobs (see nasiko_queue_enqueue_many); the ids in order.
+SELECT nasiko_queue_enqueue_many($1::jsonb);

@@ -176,6 +176,8 @@ class Queries:
     build_queue_live_counts: str
     build_finished_counts: str
     build_finished_estimates: str
+    enqueue_function: str
+    enqueue_function_many: str
 
 
 #: A statement written as another with a different claim: its first line names the

@@ -3,7 +3,8 @@ A Hypothesis state machine that drives the real engine's plain jobs against
 `PlainModel`.
 
 Every step does something to the queue — enqueue a job (a priority, a delay,
-a unique key, how many attempts, what each run does), let time pass (the
+a unique key, how many attempts, what each run does; through `Queue.enqueue` or
+the SQL function `nasiko_queue_enqueue`, as `nasiko_queue.aio` calls it), let time pass (the
 rows' run_at moved back in SQL, never a sleep), let a real `Worker` drain the
 queue (a hung run cancelled through `Queue.cancel` and the worker's
 heartbeat, or the worker stopped hard), cancel a job, have a registered worker
@@ -43,6 +44,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
+from .. import aio
 from ..admin import jobs as job_admin
 from ..builds.store import PgJobStore
 from ..config import QueueConfig
@@ -163,6 +165,11 @@ class JobSpec:
     plan: tuple[Run, ...]
     #: Enqueued on a queue no worker of the machine runs.
     elsewhere: bool
+    #: The entry point (issue #26): `Queue.enqueue`, or the SQL function
+    #: `nasiko_queue_enqueue` as `nasiko_queue.aio` calls it (the call built from
+    #: the same codec, run on the machine's connection). Every entry point obeys
+    #: the one model.
+    via: str = "queue"
 
 
 def _job_specs(*, due: bool = False) -> st.SearchStrategy[JobSpec]:
@@ -175,7 +182,12 @@ def _job_specs(*, due: bool = False) -> st.SearchStrategy[JobSpec]:
         plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG,
                                        Run.CANCEL_THEN_RAISE)),
                       max_size=3).map(tuple),
-        elsewhere=st.just(False) if due else st.sampled_from((False, False, True)))
+        elsewhere=st.just(False) if due else st.sampled_from((False, False, True)),
+        via=st.sampled_from(ENTRY_POINTS))
+
+
+#: How the machine's jobs are enqueued: see `JobSpec.via`.
+ENTRY_POINTS = ("queue", "sql function")
 
 
 @attrs.frozen(kw_only=True)
@@ -299,8 +311,14 @@ class PlainStateMachine(DatabaseMachine):
                              max_attempts=spec.max_attempts)
         unique = None if spec.key is None else Unique(spec.key, states=spec.key_states)
         args = MachineTask(n=len(self.model.jobs))
-        job_id = self._call(lambda: self.queue.enqueue(args, delay=spec.delay,
-                                                       options=options, unique=unique))
+        if spec.via == "queue":
+            job_id = self._call(lambda: self.queue.enqueue(args, delay=spec.delay,
+                                                           options=options, unique=unique))
+        else:
+            # What an asyncio application's `aio.enqueue(conn, ...)` runs: the
+            # Database has the asyncpg connection's `fetchval`.
+            job_id = self._call(lambda: aio.enqueue(self.env.db, args, delay=spec.delay,
+                                                    options=options, unique=unique))
         expected = self.model.enqueue(job_id, queue=queue, priority=spec.priority,
                                       max_attempts=spec.max_attempts, delay=spec.delay,
                                       plan=spec.plan, unique_key=spec.key,

@@ -1,0 +1,201 @@
+"""
+The asyncio client: enqueue, cancel and await results from an asyncio
+application (FastAPI, aiohttp, ...) with its own asyncpg connection or pool.
+
+No trio loop runs here: each call is one statement (or a few) on the asyncpg
+connection the caller gives, so an enqueue made on a connection inside
+``async with conn.transaction():`` commits or vanishes with the caller's own
+rows, and its NOTIFY is sent only if it commits. Jobs are encoded by the codec
+`Queue.enqueue` uses and inserted by the SQL function `nasiko_queue_enqueue`
+(migration 0019), which applies `Queue.enqueue`'s defaults and checks: one rule
+for every entry point. Plain jobs only: a build job is enqueued with its target
+by `Queue.enqueue` (the function refuses the build kinds).
+
+The loop: `import nasiko_queue` imports trio-asyncio, which makes
+`asyncio.new_event_loop()` (so `asyncio.run`) build trio-asyncio's synchronous
+loop in a thread that set no event loop policy; pass a loop factory (uvicorn does)
+or set `asyncio.DefaultEventLoopPolicy()` to keep a plain asyncio loop.
+
+>>> job_id = await aio.enqueue(pool, SendEmail(to="a@example.com", subject="hi"))
+>>> async with pool.acquire() as conn, conn.transaction():
+...     await conn.execute("INSERT INTO orders ...")
+...     await aio.enqueue(conn, SendEmail(...))     # commits with the order
+>>> url = await aio.result(pool, job_id, timeout=30)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime, timedelta
+from typing import Any, TypeAlias, TypeVar, overload
+from uuid import UUID, uuid4
+
+import asyncpg
+
+from .builds.payloads import PayloadCodec
+from .config import MAX_PAYLOAD_BYTES
+from .db.statements import Q
+from .errors import JobFailed, NoSuchJob, ResultTimeout
+from .plain.args import Job, JobArgs, JobOptions, Unique
+from .plain.enqueue_call import batch_json, enqueue_call, enqueue_calls, make_codec
+from .plain.results import RESULTS_CHANNEL, decode_result
+from .queue import CancelResult
+from .secrets import SecretBox
+
+__all__ = ["cancel", "enqueue", "enqueue_many", "result"]
+
+T = TypeVar("T")
+
+#: An asyncpg connection or pool (a pool runs each call on a connection of its own).
+#: Any: asyncpg ships no type information.
+AsyncpgConn: TypeAlias = Any
+
+
+#: The codec of jobs without secrets, made once (a codec holds no state per call).
+_NO_SECRETS = make_codec(None)
+
+
+def _codec(secrets: SecretBox | None) -> PayloadCodec:
+    return _NO_SECRETS if secrets is None else make_codec(secrets)
+
+
+async def enqueue(
+    conn: AsyncpgConn,
+    args: JobArgs,
+    *,
+    run_at: datetime | None = None,
+    delay: float | timedelta | None = None,
+    options: JobOptions | None = None,
+    unique: Unique | None = None,
+    secrets: SecretBox | None = None,
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+) -> UUID:
+    """
+    Add plain job `args`; return its id (or, for a unique job whose key is held,
+    the holder's). Arguments as for `Queue.enqueue`; `secrets` seals the job's
+    secret fields (as `Queue(db, secrets=...)`).
+
+    Raises:
+        TypeError: `args` is not a `JobArgs`.
+        InvalidPayload, PayloadTooLarge, ValueError, SecretsNotConfigured: as
+            `Queue.enqueue`, before anything is sent.
+        asyncpg.PostgresError: what the function refuses (SQLSTATE 22023, with
+            its message), or the database's own errors.
+    """
+    call = enqueue_call(_codec(secrets), args, run_at=run_at, delay=delay, options=options,
+                        unique=unique, max_payload_bytes=max_payload_bytes)
+    job_id: UUID = await conn.fetchval(Q.enqueue_function, *call.params())
+    return job_id
+
+
+async def enqueue_many(
+    conn: AsyncpgConn,
+    jobs: Sequence[JobArgs | Job],
+    *,
+    secrets: SecretBox | None = None,
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+) -> list[UUID]:
+    """
+    Add plain jobs in one statement, all or none; their ids in the order given
+    (a unique job whose key is held: the holder's). A `Job` carries what
+    `enqueue` takes beside the job. A bad one raises naming its index (jobs[i]).
+    """
+    if not jobs:
+        return []
+    calls = enqueue_calls(_codec(secrets), jobs, max_payload_bytes=max_payload_bytes)
+    ids: list[UUID] = await conn.fetchval(Q.enqueue_function_many, batch_json(calls))
+    return ids
+
+
+async def cancel(conn: AsyncpgConn, job_id: UUID) -> CancelResult | None:
+    """Cancel a plain job, as `Queue.cancel` does (the rule is the database's,
+    migration 0013); None when no plain job has this id."""
+    answer: str | None = await conn.fetchval(Q.plain_cancel, job_id)
+    return None if answer is None else CancelResult(answer)
+
+
+@overload
+async def result(conn: AsyncpgConn, job_id: UUID, result_type: None = None, *,
+                 timeout: float | None = None) -> Any: ...  # noqa: ASYNC109
+
+
+@overload
+async def result(conn: AsyncpgConn, job_id: UUID, result_type: type[T], *,
+                 timeout: float | None = None) -> T: ...  # noqa: ASYNC109
+
+
+async def result(conn: AsyncpgConn, job_id: UUID, result_type: type[Any] | None = None, *,
+                 timeout: float | None = None) -> Any:  # noqa: ASYNC109
+    """
+    The result of plain job `job_id` once it has completed (None when its
+    executor returned None), decoded as `result_type` when given; as
+    `Queue.result`.
+
+    It LISTENs for the job's end (the trigger of migration 0017 notifies once it
+    ends, by whichever path), so a wait costs no polling. It needs a connection
+    of its own while it waits: give a pool (it takes one for the wait), or a
+    connection that is not inside a transaction (a NOTIFY is delivered between
+    transactions only).
+
+    Raises:
+        JobFailed: it was discarded or cancelled (its last error attached).
+        NoSuchJob: no plain job has this id (or it was deleted meanwhile).
+        ResultTimeout: it had not ended within `timeout` seconds.
+    """
+    try:
+        async with asyncio.timeout(timeout), _listening(conn) as (listener, ended):
+            return await _wait(listener, ended, job_id, result_type)
+    except TimeoutError:
+        raise ResultTimeout(f"job {job_id} had not ended after {timeout}s") from None
+
+
+@contextlib.asynccontextmanager
+async def _listening(conn: AsyncpgConn) -> AsyncIterator[tuple[asyncpg.Connection,
+                                                             asyncio.Queue[str]]]:
+    """A connection LISTENing on the results channel, and the ids it hears."""
+    async with contextlib.AsyncExitStack() as stack:
+        if isinstance(conn, asyncpg.Pool):
+            listener = await stack.enter_async_context(conn.acquire())
+        else:
+            if conn.is_in_transaction():
+                raise RuntimeError("aio.result waits on a connection outside any "
+                                   "transaction (a NOTIFY arrives between transactions): "
+                                   "give it the pool, or another connection")
+            listener = conn
+        ended: asyncio.Queue[str] = asyncio.Queue()
+
+        def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+            ended.put_nowait(payload)
+
+        await listener.add_listener(RESULTS_CHANNEL, heard)
+        try:
+            yield listener, ended
+        finally:
+            with contextlib.suppress(asyncpg.InterfaceError, OSError):
+                await listener.remove_listener(RESULTS_CHANNEL, heard)
+
+
+async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUID,
+                result_type: type[Any] | None) -> Any:
+    waiter = uuid4()
+    # Recorded after LISTEN is up and before the row is read: a job that ends
+    # after the read finds the wait and notifies.
+    await conn.execute(Q.result_wait_add, job_id, waiter)
+    try:
+        while True:
+            row = await conn.fetchrow(Q.plain_result, job_id)
+            if row is None:
+                raise NoSuchJob(f"no plain job {job_id}")
+            if row["state"] == "completed":
+                return None if row["result"] is None else decode_result(row["result"],
+                                                                       result_type)
+            if row["state"] in ("discarded", "cancelled"):
+                raise JobFailed(job_id, row["state"], row["error_msg"])
+            while await ended.get() != str(job_id):
+                pass
+    finally:
+        # The job's end removes the wait too; this is for a wait given up.
+        with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            await asyncio.shield(conn.execute(Q.result_wait_remove, job_id, waiter))
