@@ -22,6 +22,9 @@ Layout (each package and module is named for what it holds):
 * ``db/``       asyncpg through trio-asyncio (``database``), the engine's own
   connections, ``queries.sql`` (every statement, by name) and its loader
   (``statements``), ``migrate``, the ``embedded`` PostgreSQL
+* ``workflows/`` durable workflows: ``definition`` (`Workflow`, its steps),
+  ``runs`` (start, signal, cancel, retry, a run's view), ``executor`` (the step
+  executors); the rules themselves are SQL (migration 0018)
 * ``cli/``      the ``nasiko-queue`` command, a module per command group
 * ``web/``      the [http] extra: health, metrics, the dashboard
 * ``testing/``  helpers for users' test suites: fixtures, the models and the
@@ -82,5 +85,12 @@ from .queue import Queue as Queue
 from .secrets import Secret as Secret
 from .secrets import SecretBox as SecretBox
 from .secrets import generate_master_key as generate_master_key
+from .workflows.definition import Step as Step
+from .workflows.definition import StepContext as StepContext
+from .workflows.definition import Workflow as Workflow
+from .workflows.executor import StartWorkflow as StartWorkflow
+from .workflows.runs import RunView as RunView
+from .workflows.runs import SignalResult as SignalResult
+from .workflows.runs import StepView as StepView
 
 __version__ = "0.1.0"

@@ -238,6 +238,16 @@ class Executors:
 
         return add if executor is None else add(executor)
 
+    def register_workflow(self, workflow: Any) -> None:
+        """
+        Register the executors that run `workflow`'s steps (and its child
+        workflows'), the signal timer's and the cron start's
+        (`workflows.executor.register_workflow`).
+        """
+        from .workflows.executor import register_workflow
+
+        register_workflow(self, workflow)
+
     def executor_for(self, kind: str) -> Executor[Payload] | None:
         entry = self._entries.get(kind)
         return None if entry is None else entry[1]

@@ -1784,3 +1784,61 @@ FROM pg_class AS c
 JOIN pg_stats AS s ON s.schemaname = current_schema() AND s.tablename = 'build_jobs'
                   AND s.attname = 'status'
 WHERE c.oid = to_regclass('build_jobs');
+
+-- name: workflow_start
+-- Start a run (migration 0018's nasiko_queue_workflow_start): $1 id, $2
+-- workflow, $3 definition (JSON text), $4 input (JSON text), $5 unique key.
+-- Returns the run's id: $1, or the run holding the key.
+SELECT nasiko_queue_workflow_start($1, $2, $3::jsonb, $4::jsonb, $5, NULL, NULL);
+
+-- name: workflow_cancel
+SELECT nasiko_queue_workflow_cancel($1);
+
+-- name: workflow_retry
+SELECT nasiko_queue_workflow_retry($1);
+
+-- name: workflow_signal
+-- $1 run, $2 signal name, $3 payload (JSON text).
+SELECT nasiko_queue_workflow_signal($1, $2, $3::jsonb);
+
+-- name: workflow_signal_timeout
+-- $1 run, $2 step, $3 the timer job's id.
+SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
+
+-- name: workflow_step_inputs
+-- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id. The
+-- run's state, whether this job is still the step's live job, the run's input,
+-- the step's dependencies' results (an object by step name; a mapped step's
+-- results are the list of its items' results, in item order), and for a mapped
+-- step's item, its item of the list it maps over. JSON as text.
+WITH d AS (
+    SELECT r.id, r.state, r.input, nasiko_queue_wf_step_def(r.definition, $2) AS sdef
+    FROM nasiko_queue_workflow_runs AS r WHERE r.id = $1
+)
+SELECT d.state,
+       EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps AS s
+               WHERE s.run_id = d.id AND s.step = $2 AND s.idx = $3 AND s.job_id = $4
+                 AND s.state = 'enqueued') AS live,
+       d.input::text AS input,
+       coalesce((SELECT jsonb_object_agg(a, nasiko_queue_wf_step_result(d.id, a))
+                 FROM jsonb_array_elements_text(d.sdef -> 'after') AS a), '{}')::text
+           AS results,
+       CASE WHEN d.sdef ->> 'map_over' IS NOT NULL
+            THEN (nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
+       END AS item
+FROM d;
+
+-- name: workflow_get
+SELECT id, workflow, state, input::text AS input, result::text AS result, failed_step, error,
+       unique_key, parent_run, parent_step, created_at, finished_at
+FROM nasiko_queue_workflow_runs WHERE id = $1;
+
+-- name: workflow_get_steps
+-- A run's step rows, in definition order, then item order (a mapped step's
+-- head, idx -1, first).
+SELECT s.step, s.idx, s.state, s.job_id, s.child_run, s.result::text AS result, s.error
+FROM nasiko_queue_workflow_runs AS r
+CROSS JOIN LATERAL jsonb_array_elements(r.definition -> 'steps') WITH ORDINALITY AS d(def, n)
+JOIN nasiko_queue_workflow_steps AS s ON s.run_id = r.id AND s.step = d.def ->> 'name'
+WHERE r.id = $1
+ORDER BY d.n, s.idx;

@@ -175,6 +175,14 @@ class Queries:
     build_queue_live_counts: str
     build_finished_counts: str
     build_finished_estimates: str
+    workflow_start: str
+    workflow_cancel: str
+    workflow_retry: str
+    workflow_signal: str
+    workflow_signal_timeout: str
+    workflow_step_inputs: str
+    workflow_get: str
+    workflow_get_steps: str
 
 
 #: A statement written as another with a different claim: its first line names the
