@@ -544,3 +544,25 @@ CREATE TRIGGER nasiko_queue_workflow_step_ended AFTER UPDATE OF state ON nasiko_
     FOR EACH ROW
     WHEN (NEW.workflow_run IS NOT NULL AND OLD.state IS DISTINCT FROM NEW.state)
     EXECUTE FUNCTION nasiko_queue_workflow_step_ended();
+
+-- A run's end wakes whoever waits for its result (`Queue.run_result`), as a
+-- job's end does (migration 0017): its waits are kept in the same table, by the
+-- run's id, and deleted here, with one NOTIFY; a run nobody waits for sends
+-- nothing.
+CREATE OR REPLACE FUNCTION nasiko_queue_workflow_run_ended() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM nasiko_queue_result_waits WHERE job_id = NEW.id;
+    IF FOUND THEN
+        PERFORM pg_notify('nasiko_queue_results', NEW.id::text);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS nasiko_queue_workflow_run_ended ON nasiko_queue_workflow_runs;
+CREATE TRIGGER nasiko_queue_workflow_run_ended AFTER UPDATE OF state
+    ON nasiko_queue_workflow_runs
+    FOR EACH ROW
+    WHEN (NEW.state <> 'running' AND OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION nasiko_queue_workflow_run_ended();

@@ -62,8 +62,10 @@ from .errors import JobFailed as JobFailed
 from .errors import MigrationError as MigrationError
 from .errors import NasikoQueueError as NasikoQueueError
 from .errors import NoSuchJob as NoSuchJob
+from .errors import NoSuchRun as NoSuchRun
 from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import ResultTimeout as ResultTimeout
+from .errors import RunFailed as RunFailed
 from .errors import SecretDecryptError as SecretDecryptError
 from .errors import SecretsNotConfigured as SecretsNotConfigured
 from .executors import Executors as Executors

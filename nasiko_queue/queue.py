@@ -314,6 +314,22 @@ class Queue:
 
         return await get_run(self.db, run_id)
 
+    async def run_result(self, run_id: UUID, result_type: type[Any] | None = None, *,
+                         timeout: float | None = None) -> Any:  # noqa: ASYNC109
+        """
+        Wait for run `run_id` to end and return its result (the result of the
+        step nothing depends on; several such steps: an object of their results
+        by name), structured as `result_type` when given. Woken by NOTIFY, as
+        `result` is.
+
+        Raises:
+            RunFailed: the run failed or was cancelled (`.step`, `.error`).
+            NoSuchRun: no run has this id.
+            ResultTimeout: it had not ended within `timeout` seconds.
+        """
+        async with self.results() as results:
+            return await results.wait_run(run_id, timeout=timeout, result_type=result_type)
+
     async def cancel_run(self, run_id: UUID) -> str | None:
         """Cancel a running run: its waiting steps are cancelled, its running steps'
         jobs asked to stop (their ends change nothing), none starts; its child runs

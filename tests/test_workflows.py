@@ -17,7 +17,9 @@ import trio
 
 from nasiko_queue import (
     Executors,
+    NoSuchRun,
     Queue,
+    RunFailed,
     SignalResult,
     StartWorkflow,
     StepContext,
@@ -527,3 +529,52 @@ def test_definitions_refuse_what_the_rules_cannot_run() -> None:
         wf.child("me", wf)
     with pytest.raises(ValueError, match="no steps"):
         Workflow("empty").definition(None)
+
+
+async def test_run_result_is_woken_by_the_runs_end_and_a_failed_run_raises(
+    queue: Queue,
+) -> None:
+    """The waiting side polls once an hour: each wait here was woken by NOTIFY."""
+    waiting = Queue(queue.db, config=attrs.evolve(WORKFLOW_CONFIG, poll_interval=3600.0))
+    log: list[str] = []
+    good = fanout_workflow(log)
+    bad = approval_workflow(timeout=60)
+    good_id = await queue.start(good, Release("1.2", 2))
+    bad_id = await queue.start(bad)
+    got: dict[str, Any] = {}
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with waiting.results() as results, trio.open_nursery() as nursery:
+            blocked = trio.Event()
+            seen: set[uuid.UUID] = set()
+
+            def on_waiting(run_id: uuid.UUID) -> None:
+                seen.add(run_id)
+                if len(seen) == 2:
+                    blocked.set()
+
+            results.on_waiting = on_waiting
+
+            async def wait_both(which: str, run_id: uuid.UUID) -> None:
+                try:
+                    got[which] = await results.wait_run(run_id)
+                except RunFailed as exc:
+                    got[which] = exc
+
+            nursery.start_soon(wait_both, "good", good_id)
+            nursery.start_soon(wait_both, "bad", bad_id)
+            await blocked.wait()  # both read their run's row, found it running
+            async with running(queue, executors_for(good, bad)) as worker:
+                await worker.wait_for(lambda s: s.done >= 5)
+                assert await queue.cancel_run(bad_id) == "cancelled"
+    assert got["good"] == "f0,f1"
+    failed = got["bad"]
+    assert isinstance(failed, RunFailed)
+    assert (failed.run_id, failed.state, failed.step) == (bad_id, "cancelled", None)
+    assert str(failed) == f"run {bad_id} cancelled"
+    # An ended run answers at once; no waits are left behind.
+    with trio.fail_after(TEST_DEADLINE):
+        assert await waiting.run_result(good_id) == "f0,f1"
+        with pytest.raises(NoSuchRun):
+            await waiting.run_result(uuid.uuid4())
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_result_waits") == 0

@@ -1842,3 +1842,8 @@ CROSS JOIN LATERAL jsonb_array_elements(r.definition -> 'steps') WITH ORDINALITY
 JOIN nasiko_queue_workflow_steps AS s ON s.run_id = r.id AND s.step = d.def ->> 'name'
 WHERE r.id = $1
 ORDER BY d.n, s.idx;
+
+-- name: workflow_result
+-- What `Queue.run_result` reads of run $1: its state, result, failed step and error.
+SELECT state, result::text AS result, failed_step, error
+FROM nasiko_queue_workflow_runs WHERE id = $1;

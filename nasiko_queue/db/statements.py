@@ -183,6 +183,7 @@ class Queries:
     workflow_step_inputs: str
     workflow_get: str
     workflow_get_steps: str
+    workflow_result: str
 
 
 #: A statement written as another with a different claim: its first line names the
