@@ -119,6 +119,12 @@ $$;
 -- its step rows, their jobs (nasiko_queue_cancel: a running one is asked to
 -- stop) and its child runs. The jobs' own ends then find the run ended and
 -- change nothing.
+--
+-- A job whose row another transaction holds is skipped, not waited for: that
+-- transaction may be ending it (the completer's finish, which then waits for
+-- this run's row in the trigger: waiting here would deadlock) or claiming it.
+-- Either way nothing is lost: a job that ends finds the run ended, and a step
+-- job claimed after its run ended returns without running its step.
 CREATE OR REPLACE FUNCTION nasiko_queue_wf_stop_steps(run uuid) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -130,7 +136,10 @@ BEGIN
         RETURNING job_id, child_run
     LOOP
         IF s.job_id IS NOT NULL THEN
-            PERFORM nasiko_queue_cancel(s.job_id);
+            PERFORM 1 FROM nasiko_queue_jobs WHERE id = s.job_id FOR UPDATE SKIP LOCKED;
+            IF FOUND THEN
+                PERFORM nasiko_queue_cancel(s.job_id);
+            END IF;
         END IF;
         IF s.child_run IS NOT NULL THEN
             PERFORM nasiko_queue_workflow_cancel(s.child_run);

@@ -578,3 +578,32 @@ async def test_run_result_is_woken_by_the_runs_end_and_a_failed_run_raises(
         with pytest.raises(NoSuchRun):
             await waiting.run_result(uuid.uuid4())
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_result_waits") == 0
+
+
+async def test_a_cancel_skips_a_step_job_another_transaction_holds_and_it_never_runs(
+    queue: Queue,
+) -> None:
+    """The completer holds a step job's row while its trigger waits for the run's
+    row; a cancel holding the run's row must not wait for the job's (a deadlock).
+    It skips it; the job, claimed later, finds its run ended and does not run."""
+    wf = Workflow("held")
+    ran: list[str] = []
+
+    @wf.step()
+    async def only(ctx: StepContext) -> None:
+        ran.append("only")
+
+    run_id = await queue.start(wf)
+    with trio.fail_after(TEST_DEADLINE):
+        async with queue.db.transaction() as tx:
+            await tx.execute("SELECT 1 FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+                             "FOR UPDATE", run_id)
+            assert await queue.cancel_run(run_id) == "cancelled"
+    assert await queue.db.fetchval(
+        "SELECT state FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id) == "available"
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+    assert ran == []
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("only").state) == ("cancelled", "cancelled")
