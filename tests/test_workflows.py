@@ -9,6 +9,7 @@ rows in SQL.
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import attrs
@@ -17,9 +18,12 @@ import trio
 
 from nasiko_queue import (
     Executors,
+    InvalidPayload,
     NoSuchRun,
     Queue,
     RunFailed,
+    Schedule,
+    Scheduler,
     SignalResult,
     StartWorkflow,
     StepContext,
@@ -607,3 +611,44 @@ async def test_a_cancel_skips_a_step_job_another_transaction_holds_and_it_never_
     view = await queue.run(run_id)
     assert view is not None
     assert (view.state, view.step("only").state) == ("cancelled", "cancelled")
+
+
+async def test_a_cron_schedule_starts_one_run_per_tick_across_replicas(queue: Queue) -> None:
+    """Two replicas' schedulers run the same rounds; each tick enqueues one start
+    job (the scheduler's rule), and each start job one run (its unique key)."""
+    wf = approval_workflow()
+    schedule = Schedule("morning", "0 6 * * *",
+                        StartWorkflow(workflow="approve", input={"day": "x"}))
+    replicas = [Scheduler(queue, [schedule]), Scheduler(queue, [schedule])]
+    for now in (datetime(2024, 5, 1, 5, 0, tzinfo=UTC), datetime(2024, 5, 1, 6, 0, 1, tzinfo=UTC),
+                datetime(2024, 5, 2, 6, 0, 1, tzinfo=UTC)):
+        for scheduler in replicas:
+            await scheduler.run_once(now)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 4)  # two starts, two drafts
+    runs = await queue.db.fetch(
+        "SELECT r.input::text AS input, j.run_at FROM nasiko_queue_workflow_runs AS r "
+        "JOIN nasiko_queue_jobs AS j ON r.unique_key = 'nasiko_queue.start:' || j.id "
+        "ORDER BY j.run_at")
+    assert [(r["input"], r["run_at"]) for r in runs] == [
+        ('{"day": "x"}', datetime(2024, 5, 1, 6, 0, tzinfo=UTC)),
+        ('{"day": "x"}', datetime(2024, 5, 2, 6, 0, tzinfo=UTC))]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs") == 2
+
+
+async def test_bad_input_is_refused_with_a_clear_error_and_nothing_starts(
+    queue: Queue,
+) -> None:
+    log: list[str] = []
+    wf = fanout_workflow(log)
+    with pytest.raises(InvalidPayload, match="release's input is a Release, not dict"):
+        await queue.start(wf, {"version": "1"})
+    with pytest.raises(InvalidPayload, match="must be JSON"):
+        await queue.start(approval_workflow(), {"when": {1, 2}})
+    with pytest.raises(ValueError, match="non-empty string"):
+        await queue.start(approval_workflow(), unique="")
+    run_id = await queue.start(approval_workflow())
+    with pytest.raises(InvalidPayload, match="NUL"):
+        await queue.signal(run_id, "approval", {"by": "a\x00b"})
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs") == 1
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_signals") == 0
