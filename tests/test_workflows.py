@@ -652,3 +652,30 @@ async def test_bad_input_is_refused_with_a_clear_error_and_nothing_starts(
         await queue.signal(run_id, "approval", {"by": "a\x00b"})
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs") == 1
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_signals") == 0
+
+
+async def test_a_start_in_the_callers_transaction_vanishes_with_it(queue: Queue) -> None:
+    wf = approval_workflow()
+
+    class Undo(Exception):
+        pass
+
+    started: list[uuid.UUID] = []
+
+    async def start_then_fail() -> None:
+        async with queue.db.transaction() as tx:
+            started.append(await queue.start(wf, tx=tx))
+            assert await tx.fetchval("SELECT count(*) FROM nasiko_queue_jobs "
+                                     "WHERE workflow_run = $1", started[0]) == 1
+            raise Undo
+
+    with pytest.raises(Undo):
+        await start_then_fail()
+    [run_id] = started
+    assert await queue.run(run_id) is None
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+    async with queue.db.transaction() as tx:
+        kept = await queue.start(wf, tx=tx)
+    view = await queue.run(kept)
+    assert view is not None
+    assert view.step("draft").state == "enqueued"
