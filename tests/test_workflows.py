@@ -9,6 +9,7 @@ rows in SQL.
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,8 +42,10 @@ WORKFLOW_CONFIG = attrs.evolve(FAST, concurrency=4, heartbeat_interval=0.2)
 
 
 @pytest.fixture
-async def queue(db: Database) -> Queue:
-    return Queue(db, config=WORKFLOW_CONFIG, secrets=MASTER_KEY)
+async def queue(db: Database) -> AsyncIterator[Queue]:
+    yield Queue(db, config=WORKFLOW_CONFIG, secrets=MASTER_KEY)
+    # Whatever a test did, no run is left running with nothing left to run.
+    assert await db.fetch(Q.workflow_stuck_runs) == []
 
 
 @attrs.frozen
@@ -679,3 +682,15 @@ async def test_a_start_in_the_callers_transaction_vanishes_with_it(queue: Queue)
     view = await queue.run(kept)
     assert view is not None
     assert view.step("draft").state == "enqueued"
+
+
+async def test_the_stuck_run_check_finds_a_run_whose_transition_was_lost(
+    queue: Queue,
+) -> None:
+    """What every test here checks at its end can fail: a step job that ended
+    without its transition (here: its run's id removed first) leaves its run stuck."""
+    run_id = await queue.start(approval_workflow())
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET workflow_run = NULL, "
+                           "state = 'completed' WHERE workflow_run = $1", run_id)
+    assert [r["id"] for r in await queue.db.fetch(Q.workflow_stuck_runs)] == [run_id]
+    assert await queue.cancel_run(run_id) == "cancelled"

@@ -1847,3 +1847,16 @@ ORDER BY d.n, s.idx;
 -- What `Queue.run_result` reads of run $1: its state, result, failed step and error.
 SELECT state, result::text AS result, failed_step, error
 FROM nasiko_queue_workflow_runs WHERE id = $1;
+
+-- name: workflow_stuck_runs
+-- Runs that are `running` with nothing left to run: no step waits (for a
+-- signal or a child run) and no step's job is waiting or running. The rules of
+-- migration 0018 keep this empty; tests check it, and an operator's view may.
+SELECT r.id, r.workflow FROM nasiko_queue_workflow_runs AS r
+WHERE r.state = 'running'
+  AND NOT EXISTS (
+      SELECT 1 FROM nasiko_queue_workflow_steps AS s
+      LEFT JOIN nasiko_queue_jobs AS j ON j.id = s.job_id
+      WHERE s.run_id = r.id
+        AND (s.state = 'waiting'
+             OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))));

@@ -184,6 +184,7 @@ class Queries:
     workflow_get: str
     workflow_get_steps: str
     workflow_result: str
+    workflow_stuck_runs: str
 
 
 #: A statement written as another with a different claim: its first line names the
