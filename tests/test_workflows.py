@@ -238,7 +238,9 @@ async def test_retry_runs_the_failed_and_unstarted_steps_and_keeps_completed_res
 
 
 def approval_workflow(timeout: float | None = None) -> Workflow:
-    wf = Workflow("approve")
+    # Its steps in a queue of their own: the signal's timer goes to the timer
+    # type's queue ("workflows"), which the worker serves all the same.
+    wf = Workflow("approve", queue="drafts")
 
     @wf.step()
     async def draft(ctx: StepContext) -> str:
@@ -300,9 +302,10 @@ async def test_a_signal_timeout_fails_the_step_and_the_run(queue: Queue) -> None
     async with running(queue, executors_for(wf)) as worker:
         await worker.wait_for(lambda s: s.done >= 1)
         timer = await queue.db.fetchrow(
-            "SELECT id, run_at - now() AS left FROM nasiko_queue_jobs "
+            "SELECT id, queue, run_at - now() AS left FROM nasiko_queue_jobs "
             "WHERE kind = 'nasiko_queue.signal_timeout'")
         assert timer is not None
+        assert timer["queue"] == "workflows"
         assert 3590 < timer["left"].total_seconds() <= 3600
         # An hour passes: the timer is due.
         await queue.db.execute("UPDATE nasiko_queue_jobs SET run_at = now() WHERE id = $1",

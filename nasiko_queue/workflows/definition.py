@@ -198,8 +198,11 @@ class Workflow:
         """
         if timeout is not None and not timeout > 0:
             raise ValueError(f"a signal's timeout is > 0 seconds, got {timeout!r}")
+        # Its timer job goes to the queue of the timer's type (`SignalTimeout`),
+        # which every worker that registered a workflow serves, whichever queues
+        # this workflow's own steps use.
         return self._add(Step(workflow=self.name, name=name, kind="signal",
-                              after=self._after(after, None), queue=self.queue,
+                              after=self._after(after, None), queue=DEFAULT_WORKFLOW_QUEUE,
                               timeout=timeout))
 
     def child(self, name: str, workflow: Workflow, *, after: AfterSpec = ()) -> Step:
