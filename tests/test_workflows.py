@@ -472,6 +472,50 @@ async def test_a_step_of_a_dead_worker_is_rescued_and_runs_again(queue: Queue) -
     assert (view.state, view.result, ran) == ("completed", 2, [2])
 
 
+async def test_a_dead_workers_step_on_its_last_attempt_fails_the_run_in_the_rescue(
+    queue: Queue,
+) -> None:
+    """The rescue's statement discards the job, and its transition fails the run in
+    that same statement: no run waits for a step nobody runs."""
+    wf = Workflow("last_try", max_attempts=1)
+
+    @wf.step()
+    async def only(ctx: StepContext) -> None: ...
+
+    @wf.step(after=[only])
+    async def then(ctx: StepContext) -> None: ...
+
+    run_id = await queue.start(wf)
+    dead = uuid.uuid4()
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_workers (id, host, pid, kinds, heartbeat_at, lease_secs, "
+        "dead_at) VALUES ($1, 'gone', 1, '{}', now() - interval '1 hour', 30, now())", dead)
+    await queue.db.execute(
+        "UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1, claimed_by = $1, "
+        "attempted_at = now() - interval '1 hour' WHERE workflow_run = $2", dead, run_id)
+    rescued = await queue.db.fetchrow(Q.plain_rescue, None)
+    assert rescued is not None
+    assert (rescued["rescued"], rescued["ended"]) == (0, 1)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.failed_step, view.error) == (
+        "failed", "only", "the worker running it died")
+    assert view.step("then").state == "cancelled"
+
+
+async def test_an_operators_cancel_of_a_step_job_cancels_its_run(queue: Queue) -> None:
+    from nasiko_queue.admin import jobs as admin_jobs
+
+    run_id = await queue.start(approval_workflow())
+    job_id = await queue.db.fetchval(
+        "SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id)
+    assert await admin_jobs.cancel(queue.db, job_id) == "cancelled"
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("draft").state, view.step("send").state) == (
+        "cancelled", "cancelled", "cancelled")
+
+
 async def test_mapped_items_ending_in_concurrent_transactions_lose_no_fan_in(
     db: Database, queue: Queue,
 ) -> None:
