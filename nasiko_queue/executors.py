@@ -178,6 +178,9 @@ class Executors:
         self._plain: dict[str, tuple[type[JobArgs], PlainExecutor[JobArgs]]] = {}
         self._timeouts: dict[str, float] = {}
         self._backoffs: dict[str, BackoffFn] = {}
+        #: The workflows registered (`register_workflow`), by name: the cron
+        #: start's executor starts them by name.
+        self.workflows: dict[str, Any] = {}
 
     @overload
     def register(self, payload_type: type[P], *, timeout: float | None = None

@@ -100,7 +100,7 @@ def register_workflow(executors: Executors, wf: Workflow,
     this registry serves the steps' queues. `notify_channel`: the channel the
     cron start's runs wake workers on (`QueueConfig.notify_channel`).
     """
-    registry: dict[str, Workflow] = executors.__dict__.setdefault("_workflows", {})
+    registry: dict[str, Workflow] = executors.workflows
     for each in (wf, *wf.children().values()):
         known = registry.get(each.name)
         if known is each:
