@@ -230,17 +230,27 @@ BEGIN
     END IF;
     WHILE progressed LOOP
         progressed := false;
-        FOR sdef IN SELECT s FROM jsonb_array_elements(r.definition -> 'steps') AS s LOOP
+        -- The steps ready now, in one query: blocked (their head row), and
+        -- every dependency completed (all its rows).
+        FOR sdef IN
+            SELECT d.s
+            FROM jsonb_array_elements(r.definition -> 'steps') WITH ORDINALITY AS d(s, n)
+            JOIN nasiko_queue_workflow_steps AS h
+              ON h.run_id = run AND h.step = d.s ->> 'name' AND h.state = 'blocked'
+             AND h.idx = CASE WHEN d.s ->> 'map_over' IS NULL THEN 0 ELSE -1 END
+            WHERE NOT EXISTS (
+                SELECT 1 FROM jsonb_array_elements_text(d.s -> 'after') AS a(dep)
+                JOIN nasiko_queue_workflow_steps AS x
+                  ON x.run_id = run AND x.step = a.dep AND x.state <> 'completed')
+            ORDER BY d.n
+        LOOP
             sname := sdef ->> 'name';
-            -- Blocked (its head row), and every dependency completed (all its rows).
+            -- Still blocked: a transition nested in this loop (a child run that
+            -- ended at once) may have started it meanwhile.
             CONTINUE WHEN NOT EXISTS (
                 SELECT 1 FROM nasiko_queue_workflow_steps
                 WHERE run_id = run AND step = sname AND state = 'blocked'
                   AND idx = CASE WHEN sdef ->> 'map_over' IS NULL THEN 0 ELSE -1 END);
-            CONTINUE WHEN EXISTS (
-                SELECT 1 FROM jsonb_array_elements_text(sdef -> 'after') AS d(dep)
-                JOIN nasiko_queue_workflow_steps AS s
-                  ON s.run_id = run AND s.step = d.dep AND s.state <> 'completed');
             IF sdef ->> 'map_over' IS NOT NULL THEN
                 items := nasiko_queue_wf_step_result(run, sdef ->> 'map_over');
                 IF items IS NULL OR jsonb_typeof(items) <> 'array' THEN
