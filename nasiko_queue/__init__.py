@@ -25,6 +25,9 @@ Layout (each package and module is named for what it holds):
 * ``aio``, ``sync``: enqueue (and cancel, await results) from an asyncio
   application over asyncpg, or over any DB-API connection, through the SQL
   function of migration 0019; neither needs trio running
+* ``workflows/`` durable workflows: ``definition`` (`Workflow`, its steps),
+  ``runs`` (start, signal, cancel, retry, a run's view), ``executor`` (the step
+  executors); the rules themselves are SQL (migration 0018)
 * ``cli/``      the ``nasiko-queue`` command, a module per command group
 * ``web/``      the [http] extra: health, metrics, the dashboard
 * ``testing/``  helpers for users' test suites: fixtures, the models and the
@@ -64,8 +67,10 @@ from .errors import JobFailed as JobFailed
 from .errors import MigrationError as MigrationError
 from .errors import NasikoQueueError as NasikoQueueError
 from .errors import NoSuchJob as NoSuchJob
+from .errors import NoSuchRun as NoSuchRun
 from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import ResultTimeout as ResultTimeout
+from .errors import RunFailed as RunFailed
 from .errors import SecretDecryptError as SecretDecryptError
 from .errors import SecretsNotConfigured as SecretsNotConfigured
 from .executors import Executors as Executors
@@ -87,5 +92,12 @@ from .queue import Queue as Queue
 from .secrets import Secret as Secret
 from .secrets import SecretBox as SecretBox
 from .secrets import generate_master_key as generate_master_key
+from .workflows.definition import Step as Step
+from .workflows.definition import StepContext as StepContext
+from .workflows.definition import Workflow as Workflow
+from .workflows.executor import StartWorkflow as StartWorkflow
+from .workflows.runs import RunView as RunView
+from .workflows.runs import SignalResult as SignalResult
+from .workflows.runs import StepView as StepView
 
 __version__ = "0.1.0"

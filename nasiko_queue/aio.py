@@ -180,12 +180,13 @@ async def _listening(conn: AsyncpgConn) -> AsyncIterator[tuple[asyncpg.Connectio
 async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUID,
                 result_type: type[Any] | None) -> Any:
     waiter = uuid4()
-    # Recorded after LISTEN is up and before the row is read: a job that ends
-    # after the read finds the wait and notifies.
-    await conn.execute(Q.result_wait_add, job_id, waiter)
     try:
         while True:
-            row = await conn.fetchrow(Q.plain_result, job_id)
+            # Recorded (again: an end consumes it, and an operator may retry the job)
+            # after LISTEN is up, and the row read FOR SHARE in the same statement:
+            # an end in flight holds the row until it commits, so it is waited for,
+            # not missed (as `Results.wait`).
+            row = await conn.fetchrow(Q.result_wait_and_read, job_id, waiter)
             if row is None:
                 raise NoSuchJob(f"no plain job {job_id}")
             if row["state"] == "completed":

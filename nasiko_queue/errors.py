@@ -79,6 +79,27 @@ class NoSuchJob(NasikoQueueError, LookupError):
     """`Queue.result`: no plain job has this id (never enqueued, or deleted by retention)."""
 
 
+class RunFailed(NasikoQueueError):
+    """
+    `Queue.run_result`: the workflow run ended without a result: failed (a step
+    was discarded, a signal timed out, a child failed) or cancelled. `step` is
+    the step that failed (None for a cancel), `error` its error.
+    """
+
+    def __init__(self, run_id: UUID, state: str, step: str | None, error: str | None) -> None:
+        at = f" at step {step}" if step else ""
+        said = f": {error}" if error and error != state else ""
+        super().__init__(f"run {run_id} {state}{at}{said}")
+        self.run_id = run_id
+        self.state = state
+        self.step = step
+        self.error = error
+
+
+class NoSuchRun(NasikoQueueError, LookupError):
+    """`Queue.run_result`: no workflow run has this id."""
+
+
 class ResultTimeout(NasikoQueueError, TimeoutError):
     """`Queue.result`: the job had not ended when the timeout passed (it goes on)."""
 

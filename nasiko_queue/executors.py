@@ -178,6 +178,9 @@ class Executors:
         self._plain: dict[str, tuple[type[JobArgs], PlainExecutor[JobArgs]]] = {}
         self._timeouts: dict[str, float] = {}
         self._backoffs: dict[str, BackoffFn] = {}
+        #: The workflows registered (`register_workflow`), by name: the cron
+        #: start's executor starts them by name.
+        self.workflows: dict[str, Any] = {}
 
     @overload
     def register(self, payload_type: type[P], *, timeout: float | None = None
@@ -237,6 +240,16 @@ class Executors:
             return fn
 
         return add if executor is None else add(executor)
+
+    def register_workflow(self, workflow: Any) -> None:
+        """
+        Register the executors that run `workflow`'s steps (and its child
+        workflows'), the signal timer's and the cron start's
+        (`workflows.executor.register_workflow`).
+        """
+        from .workflows.executor import register_workflow
+
+        register_workflow(self, workflow)
 
     def executor_for(self, kind: str) -> Executor[Payload] | None:
         entry = self._entries.get(kind)

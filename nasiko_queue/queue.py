@@ -32,6 +32,8 @@ from .errors import InvalidPayload, PayloadTooLarge, leaves
 from .plain.args import Job, JobArgs, JobOptions, Unique
 from .plain.results import Results, open_results
 from .secrets import SecretBox
+from .workflows.definition import Workflow
+from .workflows.runs import RunView, SignalResult
 
 T = TypeVar("T")
 
@@ -267,6 +269,81 @@ class Queue:
         targets' rules decide how they end); their ids return None.
         """
         return await cancel_plain_job(self.db, job_id)
+
+    # -- workflows (issue #22) --
+    async def start(self, workflow: Workflow, input: Any = None, *,
+                    unique: str | None = None, tx: Transaction | None = None) -> UUID:
+        """
+        Start a run of `workflow` with `input` (of its `input_type`, or JSON);
+        return the run's id. Its first steps are enqueued in the same
+        transaction (`tx`, when given: the run exists only if it commits).
+        `unique`: at most one run ever has this key; a second start inserts
+        nothing and returns the first run's id.
+
+        Raises:
+            InvalidPayload: the input is not JSON, or not the workflow's type.
+        """
+        from .workflows.runs import start_run
+
+        run_id = await start_run(tx or self.db, workflow, input, unique=unique,
+                                 channel=self.config.notify_channel)
+        if tx is None:
+            self.wake()
+        else:
+            tx.call_after_commit(self.wake)
+        return run_id
+
+    async def signal(self, run_id: UUID, name: str, payload: Any = None) -> SignalResult | None:
+        """
+        Send signal `name` with `payload` (JSON) to run `run_id`: delivered once.
+        Returns `SignalResult.DELIVERED` (its step waited and completed with the
+        payload), `KEPT` (its step waits later and gets it then), `ALREADY_SENT`,
+        `NO_SUCH_SIGNAL` or `RUN_<STATE>` (refused, nothing changed), or None: no
+        such run.
+        """
+        from .workflows.runs import signal_run
+
+        answer = await signal_run(self.db, run_id, name, payload)
+        self.wake()
+        return answer
+
+    async def run(self, run_id: UUID) -> RunView | None:
+        """A run's state, result, failed step and error, and each step's row; None:
+        no such run."""
+        from .workflows.runs import get_run
+
+        return await get_run(self.db, run_id)
+
+    async def run_result(self, run_id: UUID, result_type: type[Any] | None = None, *,
+                         timeout: float | None = None) -> Any:  # noqa: ASYNC109
+        """
+        Wait for run `run_id` to end and return its result (the result of the
+        step nothing depends on; several such steps: an object of their results
+        by name), structured as `result_type` when given. Woken by NOTIFY, as
+        `result` is.
+
+        Raises:
+            RunFailed: the run failed or was cancelled (`.step`, `.error`).
+            NoSuchRun: no run has this id.
+            ResultTimeout: it had not ended within `timeout` seconds.
+        """
+        async with self.results() as results:
+            return await results.wait_run(run_id, timeout=timeout, result_type=result_type)
+
+    async def cancel_run(self, run_id: UUID) -> str | None:
+        """Cancel a running run: its waiting steps are cancelled, its running steps'
+        jobs asked to stop (their ends change nothing), none starts; its child runs
+        are cancelled. 'cancelled', 'already <state>', or None: no such run."""
+        answer: str | None = await self.db.fetchval(Q.workflow_cancel, run_id)
+        return answer
+
+    async def retry_run(self, run_id: UUID) -> str | None:
+        """Run a failed (or cancelled) run again: its failed, cancelled and
+        never-started steps go back to waiting for their dependencies, completed
+        steps keep their results. 'retried', 'not failed: <state>', or None."""
+        answer: str | None = await self.db.fetchval(Q.workflow_retry, run_id)
+        self.wake()
+        return answer
 
     # -- results (issue #22) --
     @overload

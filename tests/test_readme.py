@@ -93,6 +93,9 @@ _RUNS = {
         "sending urgent to ops@example.com attempt 1",
         "sending welcome to b@example.com attempt 1"]),
     "results": _Run(stdout=lambda out: out == ["https://cdn.example.com/a-64.png"]),
+    "workflows": _Run(stdout=lambda out: out == [
+        "2 notes, approved by ana",
+        "completed [('plan', 0, 'completed'), ('search', -1, 'completed')]"]),
     "cron": _Run(interrupt_after="Ctrl-C or SIGTERM once"),
     "dead letters": _Run(stdout=lambda out: out == [
         "notify ConnectionError: SMTPError: refused (1 error kept)",

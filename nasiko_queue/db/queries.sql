@@ -1221,11 +1221,6 @@ FROM nasiko_queue_jobs WHERE id = $1;
 -- What `Queue.result` reads of job $1: its state, result and last error.
 SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id = $1;
 
--- name: result_wait_add
--- Waiter $2 waits for job $1: its end notifies (the trigger of migration 0017).
-INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
-ON CONFLICT DO NOTHING;
-
 -- name: result_wait_and_read
 -- Waiter $2 waits for job $1, then reads it as `plain_result`, FOR SHARE: a run's
 -- end whose trigger ran before this wait existed still holds the row, so the read
@@ -1796,7 +1791,7 @@ JOIN pg_stats AS s ON s.schemaname = current_schema() AND s.tablename = 'build_j
                   AND s.attname = 'status'
 WHERE c.oid = to_regclass('build_jobs');
 
--- ============================================================================
+-- =====================================================================
 -- Enqueue from any application (issue #26): the SQL functions of migration 0019,
 -- called by the asyncio client (nasiko_queue.aio) and the DB-API one
 -- (nasiko_queue.sync, which turns $n into the driver's %s).
@@ -1812,3 +1807,93 @@ SELECT nasiko_queue_enqueue($1, $2::jsonb, $3, $4, $5::timestamptz, $6, $7, $8::
 -- name: enqueue_function_many
 -- A batch: $1 a JSON array of jobs (see nasiko_queue_enqueue_many); the ids in order.
 SELECT nasiko_queue_enqueue_many($1::jsonb);
+
+-- ============================================================================
+-- Workflows (issue #22, migration 0018).
+
+-- name: workflow_start
+-- Start a run (migration 0018's nasiko_queue_workflow_start): $1 id, $2
+-- workflow, $3 definition (JSON text), $4 input (JSON text), $5 unique key.
+-- Returns the run's id: $1, or the run holding the key.
+SELECT nasiko_queue_workflow_start($1, $2, $3::jsonb, $4::jsonb, $5, NULL, NULL);
+
+-- name: workflow_cancel
+SELECT nasiko_queue_workflow_cancel($1);
+
+-- name: workflow_retry
+SELECT nasiko_queue_workflow_retry($1);
+
+-- name: workflow_signal
+-- $1 run, $2 signal name, $3 payload (JSON text).
+SELECT nasiko_queue_workflow_signal($1, $2, $3::jsonb);
+
+-- name: workflow_signal_timeout
+-- $1 run, $2 step, $3 the timer job's id.
+SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
+
+-- name: workflow_step_inputs
+-- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id. The
+-- run's state, whether this job is still the step's live job, the run's input,
+-- the step's dependencies' results (an object by step name; a mapped step's
+-- results are the list of its items' results, in item order), and for a mapped
+-- step's item, its item of the list it maps over. JSON as text.
+WITH d AS (
+    SELECT r.id, r.state, r.input, nasiko_queue_wf_step_def(r.definition, $2) AS sdef
+    FROM nasiko_queue_workflow_runs AS r WHERE r.id = $1
+)
+SELECT d.state,
+       EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps AS s
+               WHERE s.run_id = d.id AND s.step = $2 AND s.idx = $3 AND s.job_id = $4
+                 AND s.state = 'enqueued') AS live,
+       d.input::text AS input,
+       coalesce((SELECT jsonb_object_agg(a, nasiko_queue_wf_step_result(d.id, a))
+                 FROM jsonb_array_elements_text(d.sdef -> 'after') AS a), '{}')::text
+           AS results,
+       CASE WHEN d.sdef ->> 'map_over' IS NOT NULL
+            THEN (nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
+       END AS item
+FROM d;
+
+-- name: workflow_get
+SELECT id, workflow, state, input::text AS input, result::text AS result, failed_step, error,
+       unique_key, parent_run, parent_step, created_at, finished_at
+FROM nasiko_queue_workflow_runs WHERE id = $1;
+
+-- name: workflow_get_steps
+-- A run's step rows, in definition order, then item order (a mapped step's
+-- head, idx -1, first).
+SELECT s.step, s.idx, s.state, s.job_id, s.child_run, s.result::text AS result, s.error
+FROM nasiko_queue_workflow_runs AS r
+CROSS JOIN LATERAL jsonb_array_elements(r.definition -> 'steps') WITH ORDINALITY AS d(def, n)
+JOIN nasiko_queue_workflow_steps AS s ON s.run_id = r.id AND s.step = d.def ->> 'name'
+WHERE r.id = $1
+ORDER BY d.n, s.idx;
+
+-- name: workflow_result
+-- What `Queue.run_result` reads of run $1: its state, result, failed step and error.
+SELECT state, result::text AS result, failed_step, error
+FROM nasiko_queue_workflow_runs WHERE id = $1;
+
+-- name: workflow_result_wait_and_read
+-- Waiter $2 waits for run $1, then reads it as `workflow_result`, FOR SHARE (as
+-- `result_wait_and_read`: a run's end in flight is waited for, not missed).
+WITH waits AS (
+    INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
+    ON CONFLICT DO NOTHING
+)
+SELECT state, result::text AS result, failed_step, error
+FROM nasiko_queue_workflow_runs WHERE id = $1
+FOR SHARE;
+
+-- name: workflow_stuck_runs
+-- Runs that are `running` with nothing left to run: no step waits (for a
+-- signal or a child run) and no step's job is waiting or running. The rules of
+-- migration 0018 keep this empty; tests check it, and an operator's view may.
+SELECT r.id, r.workflow FROM nasiko_queue_workflow_runs AS r
+WHERE r.state = 'running'
+  AND NOT EXISTS (
+      SELECT 1 FROM nasiko_queue_workflow_steps AS s
+      LEFT JOIN nasiko_queue_jobs AS j ON j.id = s.job_id
+      WHERE s.run_id = r.id
+        AND (s.state = 'waiting'
+             OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))));

@@ -123,7 +123,6 @@ class Queries:
     plain_get: str
     # -- results (issue #22)
     plain_result: str
-    result_wait_add: str
     result_wait_and_read: str
     result_wait_remove: str
     deleted_build_jobs_prune: str
@@ -178,6 +177,17 @@ class Queries:
     build_finished_estimates: str
     enqueue_function: str
     enqueue_function_many: str
+    workflow_start: str
+    workflow_cancel: str
+    workflow_retry: str
+    workflow_signal: str
+    workflow_signal_timeout: str
+    workflow_step_inputs: str
+    workflow_get: str
+    workflow_get_steps: str
+    workflow_result: str
+    workflow_result_wait_and_read: str
+    workflow_stuck_runs: str
 
 
 #: A statement written as another with a different claim: its first line names the

@@ -35,7 +35,7 @@ from ..db.database import Database
 from ..db.statements import Q
 from ..engine.contracts import JobResult
 from ..engine.retry import one_line
-from ..errors import JobFailed, NoSuchJob, ResultTimeout
+from ..errors import JobFailed, NoSuchJob, NoSuchRun, ResultTimeout, RunFailed
 
 log = logging.getLogger("nasiko_queue.results")
 
@@ -126,12 +126,58 @@ class Results:
             NoSuchJob: no plain job has this id (or it was deleted meanwhile).
             ResultTimeout: it had not ended within `timeout` seconds.
         """
+        def conclude(row: Any) -> tuple[bool, Any]:
+            if row is None:
+                raise NoSuchJob(f"no plain job {job_id}")
+            if row["state"] == "completed":
+                return True, (None if row["result"] is None
+                              else decode_result(row["result"], result_type))
+            if row["state"] in ("discarded", "cancelled"):
+                raise JobFailed(job_id, row["state"], row["error_msg"])
+            return False, None
+
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            return await self._wait(job_id, result_type)
+            return await self._wait(job_id, Q.plain_result, Q.result_wait_and_read, conclude)
         assert scope.cancelled_caught
         raise ResultTimeout(f"job {job_id} had not ended after {timeout}s")
 
-    async def _wait(self, job_id: UUID, result_type: type[Any] | None) -> Any:
+    async def wait_run(self, run_id: UUID, *, timeout: float | None = None,  # noqa: ASYNC109
+                       result_type: type[Any] | None = None) -> Any:
+        """
+        The result of workflow run `run_id` once it has completed, decoded as
+        `result_type` when given; woken as `wait` is (migration 0018's trigger on
+        a run's end notifies its waiters the same way).
+
+        Raises:
+            RunFailed: it failed or was cancelled (its failed step and error attached).
+            NoSuchRun: no run has this id.
+            ResultTimeout: it had not ended within `timeout` seconds.
+        """
+        def conclude(row: Any) -> tuple[bool, Any]:
+            if row is None:
+                raise NoSuchRun(f"no workflow run {run_id}")
+            if row["state"] == "completed":
+                return True, (None if row["result"] is None
+                              else decode_result(row["result"], result_type))
+            if row["state"] in ("failed", "cancelled"):
+                raise RunFailed(run_id, row["state"], row["failed_step"], row["error"])
+            return False, None
+
+        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            return await self._wait(run_id, Q.workflow_result, Q.workflow_result_wait_and_read,
+                                    conclude)
+        assert scope.cancelled_caught
+        raise ResultTimeout(f"run {run_id} had not ended after {timeout}s")
+
+    async def _wait(self, job_id: UUID, read: str, wait_and_read: str,
+                    conclude: Callable[[Any], tuple[bool, Any]]) -> Any:
+        """Read row `read` of `job_id` (a job's or a run's) until `conclude` says it
+        has ended (True and the value), woken by its NOTIFY in between. While LISTEN
+        is up, `wait_and_read` records the wait and reads the row FOR SHARE in one
+        statement, before every read: an end whose trigger ran before the wait
+        existed still holds the row until it commits, so the read waits for it and
+        sees the end; an end that locks the row later finds the wait and notifies;
+        and a wait consumed by an end that an operator then retried is recorded anew."""
         waiter = uuid4()
         event = self._watch(job_id)
         recorded = False
@@ -139,23 +185,13 @@ class Results:
             while True:
                 armed = self.listening
                 if armed:
-                    # The wait is recorded (again: a job's end consumes it, and an
-                    # operator may retry the job) and the row read FOR SHARE in one
-                    # statement: an end whose trigger ran before the wait existed
-                    # still holds the row until it commits, so the read waits for it
-                    # and sees the end; an end that locks the row later finds the
-                    # wait and notifies.
                     recorded = True  # before the insert: removing a row not there is harmless
-                    row = await self._db.fetchrow(Q.result_wait_and_read, job_id, waiter)
+                    row = await self._db.fetchrow(wait_and_read, job_id, waiter)
                 else:
-                    row = await self._db.fetchrow(Q.plain_result, job_id)
-                if row is None:
-                    raise NoSuchJob(f"no plain job {job_id}")
-                if row["state"] == "completed":
-                    return None if row["result"] is None else decode_result(row["result"],
-                                                                           result_type)
-                if row["state"] in ("discarded", "cancelled"):
-                    raise JobFailed(job_id, row["state"], row["error_msg"])
+                    row = await self._db.fetchrow(read, job_id)
+                ended, value = conclude(row)
+                if ended:
+                    return value
                 if self.on_waiting is not None:
                     self.on_waiting(job_id)
                 if armed and self.listening:

@@ -1,0 +1,137 @@
+"""
+The plain executors that run workflows: one per step (reads the step's inputs,
+calls its function, returns its result as the job's result; the SQL rule does
+the rest), the signal timer's, and the cron start's.
+
+A step's executor never writes a transition itself: its return completes its
+job (the completer's statement), and the trigger of migration 0018 records the
+result and enqueues what it unblocks in that same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, ClassVar
+from uuid import UUID
+
+import attrs
+
+from ..builds.payloads import converter
+from ..config import NOTIFY_CHANNEL
+from ..db.statements import Q
+from ..executors import Executors, PlainJobContext
+from ..plain.args import JobArgs, JobOptions
+from .definition import DEFAULT_WORKFLOW_QUEUE, Step, StepArgs, StepContext, Workflow
+
+log = logging.getLogger("nasiko_queue.workflows")
+
+#: The kind of a signal step's timer job (the SQL rule enqueues it).
+SIGNAL_TIMEOUT_KIND = "nasiko_queue.signal_timeout"
+#: The kind of the job that starts a run (a `Schedule`'s job, for cron).
+START_KIND = "nasiko_queue.start_workflow"
+
+
+@attrs.frozen(kw_only=True)
+class SignalTimeout(JobArgs):
+    """A signal step's deadline: fails the step if it still waits for this timer."""
+
+    kind: ClassVar[str] = SIGNAL_TIMEOUT_KIND
+    options: ClassVar[JobOptions] = JobOptions(queue=DEFAULT_WORKFLOW_QUEUE)
+    run: str
+    step: str
+
+
+@attrs.frozen(kw_only=True)
+class StartWorkflow(JobArgs):
+    """
+    Start a run of `workflow` with `input`: the job a cron `Schedule` enqueues
+    (``Schedule("nightly", "0 3 * * *", StartWorkflow(workflow="release",
+    input={...}))``). The run's unique key is this job's id, so each tick starts
+    one run, however many replicas run the scheduler and however often the job
+    is retried.
+    """
+
+    kind: ClassVar[str] = START_KIND
+    options: ClassVar[JobOptions] = JobOptions(queue=DEFAULT_WORKFLOW_QUEUE)
+    workflow: str
+    input: Any = None
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def step_executor(wf: Workflow, step: Step) -> Any:
+    """The plain executor of `step`'s jobs."""
+    assert step.fn is not None
+    fn = step.fn
+
+    async def run_step(ctx: PlainJobContext[StepArgs]) -> Any:
+        args = ctx.payload
+        run_id = UUID(args.run)
+        row = await ctx.db.fetchrow(Q.workflow_step_inputs, run_id, args.step, args.idx,
+                                    ctx.job_id)
+        if row is None or row["state"] != "running" or not row["live"]:
+            # Its run ended (failed, cancelled) or a retry replaced this job: a
+            # step never runs after its run ended. Its end changes nothing.
+            log.info("workflow %s step %s[%d]: not run (run %s)", run_id, args.step, args.idx,
+                     "gone" if row is None else row["state"])
+            return None
+        raw_input = _loads(row["input"])
+        value = (raw_input if wf.input_type is None or raw_input is None
+                 else converter.structure(raw_input, wf.input_type))
+        mapped = step.map_over is not None
+        sctx = StepContext(run_id=run_id, step=args.step, input=value,
+                           results=_loads(row["results"]) or {},
+                           item=_loads(row["item"]) if mapped else None,
+                           index=args.idx if mapped else None, job=ctx)
+        return await fn(sctx)
+
+    return run_step
+
+
+def register_workflow(executors: Executors, wf: Workflow,
+                      notify_channel: str | None = NOTIFY_CHANNEL) -> None:
+    """
+    Register the plain executors that run `wf` (and the workflows its child
+    steps start): one per step of kind job, the signal timer's, and the cron
+    start's (which starts any workflow registered here by name). A worker with
+    this registry serves the steps' queues. `notify_channel`: the channel the
+    cron start's runs wake workers on (`QueueConfig.notify_channel`).
+    """
+    registry: dict[str, Workflow] = executors.workflows
+    for each in (wf, *wf.children().values()):
+        known = registry.get(each.name)
+        if known is each:
+            continue
+        if known is not None:
+            raise ValueError(f"another workflow named {each.name!r} is registered already")
+        registry[each.name] = each
+        for step in each.steps.values():
+            if step.kind == "job":
+                executors.register(step.args_type(), step_executor(each, step),
+                                   timeout=step.run_timeout, backoff=step.backoff)
+    plain = executors.plain_kinds
+    if SIGNAL_TIMEOUT_KIND not in plain:
+        async def signal_timeout(ctx: PlainJobContext[SignalTimeout]) -> str:
+            answer: str = await ctx.db.fetchval(
+                Q.workflow_signal_timeout, UUID(ctx.payload.run), ctx.payload.step,
+                ctx.job_id)
+            return answer
+
+        executors.register(SignalTimeout, signal_timeout)
+    if START_KIND not in plain:
+        async def start(ctx: PlainJobContext[StartWorkflow]) -> str:
+            from .runs import start_run
+
+            target = registry.get(ctx.payload.workflow)
+            if target is None:
+                raise LookupError(f"no workflow {ctx.payload.workflow!r} is registered in "
+                                  "this worker")
+            run_id = await start_run(ctx.db, target, ctx.payload.input,
+                                     unique=f"nasiko_queue.start:{ctx.job_id}",
+                                     channel=notify_channel, encoded=True)
+            return str(run_id)
+
+        executors.register(StartWorkflow, start)

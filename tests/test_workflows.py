@@ -1,0 +1,743 @@
+"""
+Durable workflows (issue #22): DAGs of steps run as plain jobs, their
+transitions taken by the SQL rule of migration 0018 in the transaction that
+ends each step's job. Real PostgreSQL and real workers; no sleeps: a test waits
+on the worker's counters or on events its steps set, and time passes by aging
+rows in SQL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from nasiko_queue import (
+    Executors,
+    InvalidPayload,
+    NoSuchRun,
+    Queue,
+    RunFailed,
+    Schedule,
+    Scheduler,
+    SignalResult,
+    StartWorkflow,
+    StepContext,
+    Workflow,
+)
+from nasiko_queue.db.database import Database
+from nasiko_queue.db.statements import Q
+
+from .conftest import FAST, MASTER_KEY
+from .helpers import TEST_DEADLINE, running
+
+#: Steps of one run run side by side (fan-out items, a failing step beside a
+#: running one); a cancel reaches a running step at the next heartbeat.
+WORKFLOW_CONFIG = attrs.evolve(FAST, concurrency=4, heartbeat_interval=0.2)
+
+
+@pytest.fixture
+async def queue(db: Database) -> AsyncIterator[Queue]:
+    yield Queue(db, config=WORKFLOW_CONFIG, secrets=MASTER_KEY)
+    # Whatever a test did, no run is left running with nothing left to run.
+    assert await db.fetch(Q.workflow_stuck_runs) == []
+
+
+@attrs.frozen
+class Release:
+    version: str
+    files: int
+
+
+def fanout_workflow(log: list[str]) -> Workflow:
+    wf = Workflow("release", input_type=Release)
+
+    @wf.step()
+    async def build(ctx: StepContext) -> list[str]:
+        log.append("build")
+        assert isinstance(ctx.input, Release)
+        assert ctx.input.version == "1.2"
+        return [f"f{i}" for i in range(ctx.input.files)]
+
+    @wf.step(map_over=build)
+    async def test(ctx: StepContext) -> dict[str, Any]:
+        assert "build" in log  # never before its dependency completed
+        log.append(f"test {ctx.index}")
+        assert ctx.results["build"][ctx.index] == ctx.item
+        return {"file": ctx.item, "ok": True}
+
+    @wf.step(after=[test])
+    async def report(ctx: StepContext) -> str:
+        log.append("report")
+        return ",".join(r["file"] for r in ctx.results["test"])
+
+    return wf
+
+
+def executors_for(*wfs: Workflow) -> Executors:
+    executors = Executors()
+    for wf in wfs:
+        executors.register_workflow(wf)
+    return executors
+
+
+async def test_steps_run_in_dag_order_and_a_fan_in_gets_the_results_in_item_order(
+    queue: Queue,
+) -> None:
+    log: list[str] = []
+    wf = fanout_workflow(log)
+    run_id = await queue.start(wf, Release("1.2", 3))
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 5)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result, view.failed_step) == ("completed", "f0,f1,f2", None)
+    assert view.input == {"version": "1.2", "files": 3}
+    assert log[0] == "build"
+    assert log[-1] == "report"
+    assert sorted(log[1:4]) == ["test 0", "test 1", "test 2"]
+    assert view.step("test").result == [{"file": f"f{i}", "ok": True} for i in range(3)]
+    assert [(s.step, s.index, s.state) for s in view.steps] == [
+        ("build", 0, "completed"), ("test", -1, "completed"), ("test", 0, "completed"),
+        ("test", 1, "completed"), ("test", 2, "completed"), ("report", 0, "completed")]
+    # Each step's job carries its run; each ran once.
+    assert await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs WHERE workflow_run = $1 AND attempt = 1",
+        run_id) == 5
+
+
+async def test_an_empty_fan_out_completes_the_mapped_step_with_an_empty_list(
+    queue: Queue,
+) -> None:
+    log: list[str] = []
+    wf = fanout_workflow(log)
+    run_id = await queue.start(wf, Release("1.2", 0))
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 2)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result) == ("completed", "")
+    assert view.step("test").result == []
+    assert log == ["build", "report"]
+
+
+async def test_a_discarded_step_fails_the_run_cancels_the_others_and_starts_nothing(
+    queue: Queue,
+) -> None:
+    wf = Workflow("fragile", max_attempts=1)
+    slow_started = trio.Event()
+    ran: list[str] = []
+
+    @wf.step()
+    async def slow(ctx: StepContext) -> None:
+        slow_started.set()
+        await trio.sleep_forever()  # stopped only by the run's failure's cancel
+
+    @wf.step()
+    async def broken(ctx: StepContext) -> None:
+        await slow_started.wait()
+        raise RuntimeError("the model refused")
+
+    @wf.step(after=[broken])
+    async def after_broken(ctx: StepContext) -> None:
+        ran.append("after_broken")
+
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.failed >= 1)
+        # The running step's job was asked to stop; its worker cancels it.
+        await worker.wait_for(lambda s: s.running == 0)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.failed_step) == ("failed", "broken")
+    assert view.error == "RuntimeError: the model refused"
+    assert {s.step: s.state for s in view.steps} == {
+        "slow": "cancelled", "broken": "failed", "after_broken": "cancelled"}
+    assert ran == []
+    states = await queue.db.fetch("SELECT payload->>'step' AS step, state FROM "
+                                  "nasiko_queue_jobs WHERE workflow_run = $1", run_id)
+    assert {r["step"]: r["state"] for r in states} == {"slow": "cancelled",
+                                                       "broken": "discarded"}
+
+
+async def test_cancel_a_run_stops_its_running_step_and_nothing_else_starts(
+    queue: Queue,
+) -> None:
+    wf = Workflow("cancellable")
+    started = trio.Event()
+    ran: list[str] = []
+
+    @wf.step()
+    async def first(ctx: StepContext) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    @wf.step(after=[first])
+    async def second(ctx: StepContext) -> None:
+        ran.append("second")
+
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await started.wait()
+        assert await queue.cancel_run(run_id) == "cancelled"
+        await worker.wait_for(lambda s: s.running == 0)
+        assert await queue.cancel_run(run_id) == "already cancelled"
+    view = await queue.run(run_id)
+    assert view is not None
+    assert view.state == "cancelled"
+    assert {s.step: s.state for s in view.steps} == {"first": "cancelled",
+                                                     "second": "cancelled"}
+    assert ran == []
+    assert await queue.db.fetchval(
+        "SELECT state FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id) == "cancelled"
+    assert await queue.cancel_run(uuid.uuid4()) is None
+
+
+async def test_retry_runs_the_failed_and_unstarted_steps_and_keeps_completed_results(
+    queue: Queue,
+) -> None:
+    wf = Workflow("flaky", max_attempts=1)
+    calls: dict[str, int] = {"fetch": 0, "summarise": 0, "publish": 0}
+
+    @wf.step()
+    async def fetch(ctx: StepContext) -> str:
+        calls["fetch"] += 1
+        return "page"
+
+    @wf.step(after=[fetch])
+    async def summarise(ctx: StepContext) -> str:
+        calls["summarise"] += 1
+        if calls["summarise"] == 1:
+            raise RuntimeError("rate limited")
+        return ctx.results["fetch"].upper()
+
+    @wf.step(after=[summarise])
+    async def publish(ctx: StepContext) -> str:
+        calls["publish"] += 1
+        return f"published {ctx.results['summarise']}"
+
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.failed >= 1)
+        view = await queue.run(run_id)
+        assert view is not None
+        assert view.state == "failed"
+        assert view.step("publish").state == "cancelled"
+        assert await queue.retry_run(run_id) == "retried"
+        assert await queue.retry_run(run_id) == "not failed: running"
+        await worker.wait_for(lambda s: s.done >= 3)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result, view.error) == ("completed", "published PAGE", None)
+    assert calls == {"fetch": 1, "summarise": 2, "publish": 1}
+
+
+def approval_workflow(timeout: float | None = None) -> Workflow:
+    # Its steps in a queue of their own: the signal's timer goes to the timer
+    # type's queue ("workflows"), which the worker serves all the same.
+    wf = Workflow("approve", queue="drafts")
+
+    @wf.step()
+    async def draft(ctx: StepContext) -> str:
+        return "draft 1"
+
+    approval = wf.signal("approval", after=[draft], timeout=timeout)
+
+    @wf.step(after=[draft, approval])
+    async def send(ctx: StepContext) -> str:
+        return f"{ctx.results['draft']} approved by {ctx.results['approval']['by']}"
+
+    return wf
+
+
+async def test_a_signal_after_its_step_waits_is_delivered_once_and_holds_no_slot(
+    queue: Queue,
+) -> None:
+    wf = approval_workflow()
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+        view = await queue.run(run_id)
+        assert view is not None
+        assert view.step("approval").state == "waiting"
+        # Waiting holds no slot and no job: nothing of the run is running.
+        assert worker.stats.running == 0
+        assert await queue.db.fetchval(
+            "SELECT count(*) FROM nasiko_queue_jobs WHERE state IN ('available', 'running')"
+        ) == 0
+        assert await queue.signal(run_id, "approvel", {"by": "bob"}) == "no such signal"
+        assert await queue.signal(run_id, "approval", {"by": "ana"}) == SignalResult.DELIVERED
+        # Once: a second send is refused, whether or not the run has ended since.
+        assert await queue.signal(run_id, "approval", {"by": "bob"}) == "already sent"
+        await worker.wait_for(lambda s: s.done >= 2)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result) == ("completed", "draft 1 approved by ana")
+    assert await queue.signal(run_id, "approval", {}) == "already sent"
+    assert await queue.signal(uuid.uuid4(), "approval", {}) is None
+
+
+async def test_a_signal_sent_before_its_step_waits_is_kept_and_consumed_then(
+    queue: Queue,
+) -> None:
+    wf = approval_workflow()
+    run_id = await queue.start(wf)
+    assert await queue.signal(run_id, "approval", {"by": "early"}) == SignalResult.KEPT
+    assert await queue.signal(run_id, "approval", {"by": "late"}) == "already sent"
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 2)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result) == ("completed", "draft 1 approved by early")
+
+
+async def test_a_signal_timeout_fails_the_step_and_the_run(queue: Queue) -> None:
+    wf = approval_workflow(timeout=3600)
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+        timer = await queue.db.fetchrow(
+            "SELECT id, queue, run_at - now() AS left FROM nasiko_queue_jobs "
+            "WHERE kind = 'nasiko_queue.signal_timeout'")
+        assert timer is not None
+        assert timer["queue"] == "workflows"
+        assert 3590 < timer["left"].total_seconds() <= 3600
+        # An hour passes: the timer is due.
+        await queue.db.execute("UPDATE nasiko_queue_jobs SET run_at = now() WHERE id = $1",
+                               timer["id"])
+        queue.wake()
+        await worker.wait_for(lambda s: s.done >= 2)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.failed_step) == ("failed", "approval")
+    assert view.error == "signal approval timed out after 3600 s"
+    assert view.step("send").state == "cancelled"
+    assert await queue.db.fetchval("SELECT result FROM nasiko_queue_jobs WHERE id = $1",
+                                   timer["id"]) == '"timed out"'
+    assert await queue.signal(run_id, "approval", {"by": "ana"}) == "run failed"
+
+
+async def test_a_delayed_step_is_a_scheduled_job_a_durable_sleep(queue: Queue) -> None:
+    wf = Workflow("sleepy")
+    ran: list[str] = []
+
+    @wf.step()
+    async def first(ctx: StepContext) -> int:
+        return 1
+
+    @wf.step(after=[first], delay=86_400)
+    async def tomorrow(ctx: StepContext) -> int:
+        ran.append("tomorrow")
+        return ctx.results["first"] + 1
+
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+        job = await queue.db.fetchrow(
+            "SELECT id, state, run_at - now() AS left FROM nasiko_queue_jobs "
+            "WHERE workflow_run = $1 AND payload->>'step' = 'tomorrow'", run_id)
+        assert job is not None
+        assert job["state"] == "available"
+        assert 86_390 < job["left"].total_seconds() <= 86_400
+        assert ran == []
+        await queue.db.execute("UPDATE nasiko_queue_jobs SET run_at = now() WHERE id = $1",
+                               job["id"])
+        queue.wake()
+        await worker.wait_for(lambda s: s.done >= 2)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result, ran) == ("completed", 2, ["tomorrow"])
+
+
+async def test_a_child_run_gives_its_result_to_the_parent_step(queue: Queue) -> None:
+    child = Workflow("research")
+
+    @child.step()
+    async def search(ctx: StepContext) -> list[str]:
+        return [f"{ctx.input['topic']} a", f"{ctx.input['topic']} b"]
+
+    @child.step(after=[search])
+    async def rank(ctx: StepContext) -> str:
+        return ctx.results["search"][-1]
+
+    parent = Workflow("agent")
+
+    @parent.step()
+    async def plan(ctx: StepContext) -> dict[str, str]:
+        return {"topic": ctx.input["q"]}
+
+    sub = parent.child("sub", child, after=["plan"])
+
+    @parent.step(after=[sub])
+    async def answer(ctx: StepContext) -> str:
+        return f"answer: {ctx.results['sub']}"
+
+    run_id = await queue.start(parent, {"q": "queues"})
+    async with running(queue, executors_for(parent)) as worker:
+        await worker.wait_for(lambda s: s.done >= 4)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result) == ("completed", "answer: queues b")
+    child_id = view.step("sub").child_run
+    assert child_id is not None
+    child_view = await queue.run(child_id)
+    assert child_view is not None
+    assert (child_view.state, child_view.result, child_view.parent_run,
+            child_view.parent_step) == ("completed", "queues b", run_id, "sub")
+
+
+async def test_a_failed_child_fails_its_parent(queue: Queue) -> None:
+    child = Workflow("doomed", max_attempts=1)
+
+    @child.step()
+    async def boom(ctx: StepContext) -> None:
+        raise ValueError("no")
+
+    parent = Workflow("host")
+    parent.child("sub", child)
+    run_id = await queue.start(parent)
+    async with running(queue, executors_for(parent)) as worker:
+        await worker.wait_for(lambda s: s.failed >= 1)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.failed_step) == ("failed", "sub")
+    assert view.error is not None
+    assert view.error.endswith("failed at step boom: ValueError: no")
+
+
+async def test_a_unique_start_returns_the_first_runs_id(queue: Queue) -> None:
+    wf = approval_workflow()
+    first = await queue.start(wf, unique="release-42")
+    assert await queue.start(wf, unique="release-42") == first
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs") == 1
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 1
+    # Once ever, not only while running: a finished run keeps its key.
+    assert await queue.cancel_run(first) == "cancelled"
+    assert await queue.start(wf, unique="release-42") == first
+
+
+async def test_a_start_job_starts_one_run_per_tick_however_often_it_runs(
+    queue: Queue,
+) -> None:
+    wf = approval_workflow()
+    tick = await queue.enqueue(StartWorkflow(workflow="approve", input={"n": 1}))
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 2)  # the start, then the draft
+        # The tick's job runs again (as a retry after a crash would run it).
+        await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'available', "
+                               "finished_at = NULL WHERE id = $1", tick)
+        queue.wake()
+        await worker.wait_for(lambda s: s.done >= 3)
+    runs = await queue.db.fetch("SELECT id, unique_key, input::text FROM "
+                                "nasiko_queue_workflow_runs")
+    assert len(runs) == 1
+    assert runs[0]["unique_key"] == f"nasiko_queue.start:{tick}"
+    results = await queue.db.fetch("SELECT result FROM nasiko_queue_jobs WHERE id = $1", tick)
+    assert results[0]["result"] == f'"{runs[0]["id"]}"'
+
+
+async def test_a_step_of_a_dead_worker_is_rescued_and_runs_again(queue: Queue) -> None:
+    wf = Workflow("rescued")
+    ran: list[int] = []
+
+    @wf.step()
+    async def only(ctx: StepContext) -> int:
+        ran.append(ctx.job.attempt)
+        return ctx.job.attempt
+
+    run_id = await queue.start(wf)
+    # A worker claimed the step, then died (its heartbeat an hour old).
+    dead = uuid.uuid4()
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_workers (id, host, pid, kinds, heartbeat_at, lease_secs, "
+        "dead_at) VALUES ($1, 'gone', 1, '{}', now() - interval '1 hour', 30, now())", dead)
+    await queue.db.execute(
+        "UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1, claimed_by = $1, "
+        "attempted_at = now() - interval '1 hour' WHERE workflow_run = $2", dead, run_id)
+    rescued = await queue.db.fetchrow(Q.plain_rescue, None)
+    assert rescued is not None
+    assert rescued["rescued"] == 1
+    view = await queue.run(run_id)
+    assert view is not None
+    assert view.state == "running"
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.result, ran) == ("completed", 2, [2])
+
+
+async def test_a_dead_workers_step_on_its_last_attempt_fails_the_run_in_the_rescue(
+    queue: Queue,
+) -> None:
+    """The rescue's statement discards the job, and its transition fails the run in
+    that same statement: no run waits for a step nobody runs."""
+    wf = Workflow("last_try", max_attempts=1)
+
+    @wf.step()
+    async def only(ctx: StepContext) -> None: ...
+
+    @wf.step(after=[only])
+    async def then(ctx: StepContext) -> None: ...
+
+    run_id = await queue.start(wf)
+    dead = uuid.uuid4()
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_workers (id, host, pid, kinds, heartbeat_at, lease_secs, "
+        "dead_at) VALUES ($1, 'gone', 1, '{}', now() - interval '1 hour', 30, now())", dead)
+    await queue.db.execute(
+        "UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1, claimed_by = $1, "
+        "attempted_at = now() - interval '1 hour' WHERE workflow_run = $2", dead, run_id)
+    rescued = await queue.db.fetchrow(Q.plain_rescue, None)
+    assert rescued is not None
+    assert (rescued["rescued"], rescued["ended"]) == (0, 1)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.failed_step, view.error) == (
+        "failed", "only", "the worker running it died")
+    assert view.step("then").state == "cancelled"
+
+
+async def test_an_operators_cancel_of_a_step_job_cancels_its_run(queue: Queue) -> None:
+    from nasiko_queue.admin import jobs as admin_jobs
+
+    run_id = await queue.start(approval_workflow())
+    job_id = await queue.db.fetchval(
+        "SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id)
+    assert await admin_jobs.cancel(queue.db, job_id) == "cancelled"
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("draft").state, view.step("send").state) == (
+        "cancelled", "cancelled", "cancelled")
+
+
+async def test_mapped_items_ending_in_concurrent_transactions_lose_no_fan_in(
+    db: Database, queue: Queue,
+) -> None:
+    """SQL level: two items of a fan-out complete in two transactions at once; the
+    run's row lock makes the second see the first, so the fan-in starts once."""
+    log: list[str] = []
+    wf = fanout_workflow(log)
+    run_id = await queue.start(wf, Release("1.2", 2))
+    build = await db.fetchval("SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1",
+                              run_id)
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'running' WHERE id = $1", build)
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'completed', result = '[\"a\",\"b\"]'"
+                     " WHERE id = $1", build)
+    items = [r["id"] for r in await db.fetch(
+        "SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1 AND kind = 'release.test' "
+        "ORDER BY payload->>'idx'", run_id)]
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'running' WHERE id = ANY($1)",
+                     items)
+    done = "UPDATE nasiko_queue_jobs SET state = 'completed', result = '{\"ok\": true}' " \
+           "WHERE id = $1"
+
+    async def second() -> None:
+        await db.execute(done, items[1])
+
+    with trio.fail_after(TEST_DEADLINE):
+        # The first item's transaction commits on leaving, once the second's
+        # update waits for the run's row, which the first's transition holds.
+        async with trio.open_nursery() as nursery, db.transaction() as tx:
+            pid = await tx.fetchval("SELECT pg_backend_pid()")
+            await tx.execute(done, items[0])
+            nursery.start_soon(second)
+            while not await db.fetchval(BLOCKED_BY, pid):  # noqa: ASYNC110
+                await trio.sleep(0.005)
+    assert await db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+        "AND kind = 'release.report'", run_id) == 1
+    view = await queue.run(run_id)
+    assert view is not None
+    assert view.step("test").result == [{"ok": True}, {"ok": True}]
+
+
+#: Whether a session waits for a lock backend $1 holds (the server's record of
+#: who waits for whom, read again until it says so: no sleep stands in for it).
+BLOCKED_BY = """
+SELECT count(*) > 0 FROM pg_stat_activity
+WHERE datname = current_database() AND $1::int = ANY (pg_blocking_pids(pid))
+"""
+
+
+def test_definitions_refuse_what_the_rules_cannot_run() -> None:
+    wf = Workflow("shapes")
+
+    @wf.step()
+    async def a(ctx: StepContext) -> None: ...
+
+    with pytest.raises(ValueError, match="exists already"):
+        wf.signal("a")
+    with pytest.raises(ValueError, match="no step 'nope'"):
+        wf.signal("s", after=["nope"])
+    with pytest.raises(TypeError, match="a list of steps"):
+        wf.signal("s", after=a)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"without '\.'"):
+        Workflow("a.b")
+    with pytest.raises(ValueError, match="own child"):
+        wf.child("me", wf)
+    with pytest.raises(ValueError, match="no steps"):
+        Workflow("empty").definition(None)
+
+
+async def test_run_result_is_woken_by_the_runs_end_and_a_failed_run_raises(
+    queue: Queue,
+) -> None:
+    """The waiting side polls once an hour: each wait here was woken by NOTIFY."""
+    waiting = Queue(queue.db, config=attrs.evolve(WORKFLOW_CONFIG, poll_interval=3600.0))
+    log: list[str] = []
+    good = fanout_workflow(log)
+    bad = approval_workflow(timeout=60)
+    good_id = await queue.start(good, Release("1.2", 2))
+    bad_id = await queue.start(bad)
+    got: dict[str, Any] = {}
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with waiting.results() as results, trio.open_nursery() as nursery:
+            blocked = trio.Event()
+            seen: set[uuid.UUID] = set()
+
+            def on_waiting(run_id: uuid.UUID) -> None:
+                seen.add(run_id)
+                if len(seen) == 2:
+                    blocked.set()
+
+            results.on_waiting = on_waiting
+
+            async def wait_both(which: str, run_id: uuid.UUID) -> None:
+                try:
+                    got[which] = await results.wait_run(run_id)
+                except RunFailed as exc:
+                    got[which] = exc
+
+            nursery.start_soon(wait_both, "good", good_id)
+            nursery.start_soon(wait_both, "bad", bad_id)
+            await blocked.wait()  # both read their run's row, found it running
+            async with running(queue, executors_for(good, bad)) as worker:
+                await worker.wait_for(lambda s: s.done >= 5)
+                assert await queue.cancel_run(bad_id) == "cancelled"
+    assert got["good"] == "f0,f1"
+    failed = got["bad"]
+    assert isinstance(failed, RunFailed)
+    assert (failed.run_id, failed.state, failed.step) == (bad_id, "cancelled", None)
+    assert str(failed) == f"run {bad_id} cancelled"
+    # An ended run answers at once; no waits are left behind.
+    with trio.fail_after(TEST_DEADLINE):
+        assert await waiting.run_result(good_id) == "f0,f1"
+        with pytest.raises(NoSuchRun):
+            await waiting.run_result(uuid.uuid4())
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_result_waits") == 0
+
+
+async def test_a_cancel_skips_a_step_job_another_transaction_holds_and_it_never_runs(
+    queue: Queue,
+) -> None:
+    """The completer holds a step job's row while its trigger waits for the run's
+    row; a cancel holding the run's row must not wait for the job's (a deadlock).
+    It skips it; the job, claimed later, finds its run ended and does not run."""
+    wf = Workflow("held")
+    ran: list[str] = []
+
+    @wf.step()
+    async def only(ctx: StepContext) -> None:
+        ran.append("only")
+
+    run_id = await queue.start(wf)
+    with trio.fail_after(TEST_DEADLINE):
+        async with queue.db.transaction() as tx:
+            await tx.execute("SELECT 1 FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+                             "FOR UPDATE", run_id)
+            assert await queue.cancel_run(run_id) == "cancelled"
+    assert await queue.db.fetchval(
+        "SELECT state FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id) == "available"
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+    assert ran == []
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("only").state) == ("cancelled", "cancelled")
+
+
+async def test_a_cron_schedule_starts_one_run_per_tick_across_replicas(queue: Queue) -> None:
+    """Two replicas' schedulers run the same rounds; each tick enqueues one start
+    job (the scheduler's rule), and each start job one run (its unique key)."""
+    wf = approval_workflow()
+    schedule = Schedule("morning", "0 6 * * *",
+                        StartWorkflow(workflow="approve", input={"day": "x"}))
+    replicas = [Scheduler(queue, [schedule]), Scheduler(queue, [schedule])]
+    for now in (datetime(2024, 5, 1, 5, 0, tzinfo=UTC), datetime(2024, 5, 1, 6, 0, 1, tzinfo=UTC),
+                datetime(2024, 5, 2, 6, 0, 1, tzinfo=UTC)):
+        for scheduler in replicas:
+            await scheduler.run_once(now)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 4)  # two starts, two drafts
+    runs = await queue.db.fetch(
+        "SELECT r.input::text AS input, j.run_at FROM nasiko_queue_workflow_runs AS r "
+        "JOIN nasiko_queue_jobs AS j ON r.unique_key = 'nasiko_queue.start:' || j.id "
+        "ORDER BY j.run_at")
+    assert [(r["input"], r["run_at"]) for r in runs] == [
+        ('{"day": "x"}', datetime(2024, 5, 1, 6, 0, tzinfo=UTC)),
+        ('{"day": "x"}', datetime(2024, 5, 2, 6, 0, tzinfo=UTC))]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs") == 2
+
+
+async def test_bad_input_is_refused_with_a_clear_error_and_nothing_starts(
+    queue: Queue,
+) -> None:
+    log: list[str] = []
+    wf = fanout_workflow(log)
+    with pytest.raises(InvalidPayload, match="release's input is a Release, not dict"):
+        await queue.start(wf, {"version": "1"})
+    with pytest.raises(InvalidPayload, match="must be JSON"):
+        await queue.start(approval_workflow(), {"when": {1, 2}})
+    with pytest.raises(ValueError, match="non-empty string"):
+        await queue.start(approval_workflow(), unique="")
+    run_id = await queue.start(approval_workflow())
+    with pytest.raises(InvalidPayload, match="NUL"):
+        await queue.signal(run_id, "approval", {"by": "a\x00b"})
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs") == 1
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_signals") == 0
+
+
+async def test_a_start_in_the_callers_transaction_vanishes_with_it(queue: Queue) -> None:
+    wf = approval_workflow()
+
+    class Undo(Exception):
+        pass
+
+    started: list[uuid.UUID] = []
+
+    async def start_then_fail() -> None:
+        async with queue.db.transaction() as tx:
+            started.append(await queue.start(wf, tx=tx))
+            assert await tx.fetchval("SELECT count(*) FROM nasiko_queue_jobs "
+                                     "WHERE workflow_run = $1", started[0]) == 1
+            raise Undo
+
+    with pytest.raises(Undo):
+        await start_then_fail()
+    [run_id] = started
+    assert await queue.run(run_id) is None
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+    async with queue.db.transaction() as tx:
+        kept = await queue.start(wf, tx=tx)
+    view = await queue.run(kept)
+    assert view is not None
+    assert view.step("draft").state == "enqueued"
+
+
+async def test_the_stuck_run_check_finds_a_run_whose_transition_was_lost(
+    queue: Queue,
+) -> None:
+    """What every test here checks at its end can fail: a step job that ended
+    without its transition (here: its run's id removed first) leaves its run stuck."""
+    run_id = await queue.start(approval_workflow())
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET workflow_run = NULL, "
+                           "state = 'completed' WHERE workflow_run = $1", run_id)
+    assert [r["id"] for r in await queue.db.fetch(Q.workflow_stuck_runs)] == [run_id]
+    assert await queue.cancel_run(run_id) == "cancelled"
