@@ -134,6 +134,48 @@ async def test_a_cancelled_job_is_retried_and_a_held_unique_key_names_its_holder
         "available", 0, None, None)
 
 
+async def test_a_job_cancelled_while_running_is_retried_without_its_old_cancel_request(
+    queue: Queue,
+) -> None:
+    """
+    A run that is cancelled while it runs ends `cancelled` with its
+    `cancel_requested` flag set. The retry runs it afresh: the old request must
+    go with the old run, or the retried job's first crash would end it
+    `cancelled` (nasiko_queue_run_end's rule) instead of retrying it (issue #24:
+    no test reached this path).
+    """
+    runs: list[int] = []
+    executors = Executors()
+
+    @executors.register(Mail, backoff=no_backoff)
+    async def crash(ctx: Any) -> None:
+        runs.append(ctx.attempt)
+        if len(runs) == 1:  # the first run is cancelled while it runs, then raises
+            assert await ctx.db.fetchval("SELECT nasiko_queue_cancel($1)",
+                                         ctx.job_id) == "cancelling"
+        raise RuntimeError(f"crash {len(runs)}")
+
+    job_id = await queue.enqueue(Mail(to="c@example.com"))
+    flag = "SELECT cancel_requested FROM nasiko_queue_jobs WHERE id = $1"
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.cancelled >= 1)
+        row = await _state(queue.db, job_id)
+        assert (row["state"], row["attempt"]) == ("cancelled", 1)
+        assert await queue.db.fetchval(flag, job_id) is True
+
+        assert await retry(queue.db, job_id, FAST) == "plain"
+        assert await queue.db.fetchval(flag, job_id) is False
+        # Attempt 1 crashes and is retried (not cancelled); attempt 2, its last,
+        # is discarded.
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.failed >= 1)
+    row = await _state(queue.db, job_id)
+    assert (row["state"], row["attempt"], row["error_msg"]) == (
+        "discarded", 2, "RuntimeError: crash 3")
+    assert runs == [1, 1, 2]
+
+
 async def test_cancel_refuses_build_jobs_and_ended_jobs(queue: Queue) -> None:
     build = await enqueue_with_target(queue, "Upload")
     with pytest.raises(JobRefused, match="build jobs cannot be cancelled"):

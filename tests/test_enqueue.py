@@ -314,6 +314,45 @@ async def test_a_bad_payload_in_a_later_chunk_refuses_the_batch(queue: Queue) ->
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
 
 
+#: A trigger that refuses every plain job: the server rejects the plain statement
+#: of a mixed batch after its build statement went through.
+REFUSE_PLAIN_JOBS = """
+CREATE FUNCTION refuse_plain_job() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'plain jobs refused by the test'; END $$;
+CREATE TRIGGER refuse_plain_job BEFORE INSERT ON nasiko_queue_jobs
+FOR EACH ROW EXECUTE FUNCTION refuse_plain_job();
+"""
+
+
+async def test_a_mixed_batch_refused_on_its_plain_statement_leaves_no_build_row(
+    queue: Queue,
+) -> None:
+    """
+    One small mixed batch (one statement per kind, no chunking): the build
+    statement goes first, then the server refuses the plain one. The batch is
+    one transaction, so the build job goes with it and the kept connection
+    serves the next enqueue (issue #24: the one mid-batch refusal test sent
+    several chunks, which takes the pipelined path).
+    """
+    import asyncpg
+
+    owner = uuid.uuid4()
+    agent = await insert_agent(queue.db, owner_id=owner)
+    build = await insert_agent_build(queue.db, agent)
+    payload = make_payload("Upload", target_id=agent, build_id=build, owner_id=owner)
+    await queue.db.execute(REFUSE_PLAIN_JOBS)
+    batch: list[Any] = [Note(n=1), payload, Note(n=2)]  # the build statement goes first
+    with pytest.raises(asyncpg.RaiseError, match="plain jobs refused by the test"):
+        await queue.enqueue_many(batch)
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 0
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+    await queue.db.execute("DROP TRIGGER refuse_plain_job ON nasiko_queue_jobs")
+    ids = await queue.enqueue_many(batch)
+    assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 1
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 2
+    assert len(set(ids)) == 3
+
+
 async def test_a_statement_the_server_refuses_mid_batch_rolls_the_whole_batch_back(
     queue: Queue,
 ) -> None:

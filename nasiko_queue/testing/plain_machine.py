@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, ClassVar
 from uuid import UUID
 
+import asyncpg
 import attrs
 import trio
 from hypothesis import settings
@@ -54,9 +56,11 @@ from ..engine.contracts import WorkerIdentity
 from ..engine.state import WorkerStats
 from ..engine.worker import Worker
 from ..executors import Executors, PlainJobContext
-from ..plain.args import JobArgs, JobOptions, Unique
+from ..plain.args import Job, JobArgs, JobOptions, Unique
+from ..plain.schedules import Schedule, Scheduler, SchedulerRound
 from ..plain.store import PlainJobStore
 from ..queue import Queue
+from .fixtures import insert_agent, insert_agent_build, make_payload
 from .plain_model import (
     AVAILABLE,
     CANCELLED,
@@ -81,6 +85,18 @@ KEYS = (None, None, "a", "b")
 KEY_STATES = (WAITING_OR_RUNNING, WAITING_OR_RUNNING | {"completed"})
 #: Seconds a crash's retry may come after its claim (the window's upper slack).
 RETRY_SLACK = 5.0
+
+#: `enqueue_batch`'s refusals: which kind's statement the server refuses.
+PLAIN = "plain"
+BUILD = "build"
+REFUSED_TABLES = {PLAIN: "nasiko_queue_jobs", BUILD: "build_jobs"}
+#: A trigger that refuses every row of {table} (dropped once the batch is answered).
+REFUSE = """
+CREATE OR REPLACE FUNCTION refuse_batch() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'refused by the machine'; END $$;
+CREATE TRIGGER refuse_batch BEFORE INSERT ON {table}
+FOR EACH ROW EXECUTE FUNCTION refuse_batch();
+"""
 
 #: The worker's configuration: one slot on the machine's queue (and one on the
 #: busy lane's), no build lane, no maintenance of its own (the machine plays the
@@ -147,6 +163,7 @@ WHERE datname = current_database() AND $1::int = ANY (pg_blocking_pids(pid))
 
 SNAPSHOT = """
 SELECT id, state, attempt, CASE WHEN state = 'available' THEN run_at <= now() END AS due,
+       cancel_requested,
        extract(epoch FROM run_at - attempted_at)::double precision AS waits
 FROM nasiko_queue_jobs
 """
@@ -159,6 +176,9 @@ class JobSpec:
     priority: int
     #: Seconds from now until it is due (a multiple of TICK).
     delay: int
+    #: Instead of `delay`: an explicit run_at, this many seconds from now (in the
+    #: past, now, or later; a multiple of TICK). None: `delay`.
+    run_at: int | None
     key: str | None
     key_states: frozenset[str]
     max_attempts: int
@@ -172,11 +192,23 @@ class JobSpec:
     via: str = "queue"
 
 
-def _job_specs(*, due: bool = False) -> st.SearchStrategy[JobSpec]:
+#: Explicit run_at offsets (seconds from now) of a job enqueued by itself: in the
+#: past, now, later; and of a job due now. None: the job gives a delay instead.
+RUN_AT = (None, None, -60 * TICK, 0, 2 * TICK)
+RUN_AT_DUE = (None, None, -60 * TICK, 0)
+#: In a batch, no explicit run_at ties with a delay of the same batch: the
+#: client's clock is read before the statement, the server's per row during it,
+#: so the two would order a tie differently from the order given.
+BATCH_RUN_AT = (None, None, -60 * TICK, -TICK, 3 * TICK)
+
+
+def _job_specs(*, due: bool = False, batch: bool = False) -> st.SearchStrategy[JobSpec]:
+    run_at = BATCH_RUN_AT if batch else RUN_AT_DUE if due else RUN_AT
     return st.builds(
         JobSpec,
         priority=st.sampled_from((0, 1, -1)),
         delay=st.just(0) if due else st.sampled_from((0, 2 * TICK, 60 * TICK)),
+        run_at=st.sampled_from(run_at),
         key=st.sampled_from(KEYS), key_states=st.sampled_from(KEY_STATES),
         max_attempts=st.sampled_from((3, 1, 2)),
         plan=st.lists(st.sampled_from((Run.RAISE, Run.RETURN, Run.HANG,
@@ -197,6 +229,14 @@ class MachineTask(JobArgs):
     kind: ClassVar[str] = "plain_machine_task"
     options: ClassVar[JobOptions] = JobOptions(queue=QUEUE, max_attempts=3)
     n: int
+
+
+#: The machine's schedule: a tick every TICK seconds, its jobs on a queue no
+#: worker runs. The schedulers' wall clock is the model's, from this epoch (a
+#: minute boundary long past: every tick's job is due at once).
+SCHEDULE = Schedule("machine-tick", "* * * * *", MachineTask(n=-1),
+                    options=JobOptions(queue=OTHER_QUEUE))
+SCHEDULE_EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class SimulatedCrash(Exception):
@@ -283,6 +323,9 @@ class PlainStateMachine(DatabaseMachine):
         self.cancelled_runs: dict[UUID, int] = {}
         self.rescuer = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
                                   known_kinds=frozenset())
+        #: Build jobs the batches enqueued (no worker of the machine runs them).
+        self.build_jobs = 0
+        self.scheduler = Scheduler(self.queue, [SCHEDULE])
 
     # -- hooks (mutation tests swap these) -----------------------------------------
 
@@ -306,26 +349,127 @@ class PlainStateMachine(DatabaseMachine):
             self._enqueue(spec)
 
     def _enqueue(self, spec: JobSpec) -> None:
-        queue = OTHER_QUEUE if spec.elsewhere else QUEUE
-        options = JobOptions(queue=queue, priority=spec.priority,
-                             max_attempts=spec.max_attempts)
-        unique = None if spec.key is None else Unique(spec.key, states=spec.key_states)
-        args = MachineTask(n=len(self.model.jobs))
+        job = self._job(spec, datetime.now(UTC))
         if spec.via == "queue":
-            job_id = self._call(lambda: self.queue.enqueue(args, delay=spec.delay,
-                                                           options=options, unique=unique))
+            job_id = self._call(lambda: self.queue.enqueue(
+                job.args, run_at=job.run_at, delay=job.delay, options=job.options,
+                unique=job.unique))
         else:
             # What an asyncio application's `aio.enqueue(conn, ...)` runs: the
             # Database has the asyncpg connection's `fetchval`.
-            job_id = self._call(lambda: aio.enqueue(self.env.db, args, delay=spec.delay,
-                                                    options=options, unique=unique))
-        expected = self.model.enqueue(job_id, queue=queue, priority=spec.priority,
-                                      max_attempts=spec.max_attempts, delay=spec.delay,
-                                      plan=spec.plan, unique_key=spec.key,
-                                      unique_states=spec.key_states)
+            job_id = self._call(lambda: aio.enqueue(
+                self.env.db, job.args, run_at=job.run_at, delay=job.delay,
+                options=job.options, unique=job.unique))
+        self._enqueued(spec, job_id)
+
+    def _job(self, spec: JobSpec, now: datetime) -> Job:
+        """`spec` as a `Job` (an explicit run_at counted from `now`, the client's clock)."""
+        options = JobOptions(queue=OTHER_QUEUE if spec.elsewhere else QUEUE,
+                             priority=spec.priority, max_attempts=spec.max_attempts)
+        unique = None if spec.key is None else Unique(spec.key, states=spec.key_states)
+        args = MachineTask(n=len(self.model.jobs))
+        if spec.run_at is None:
+            return Job(args, options=options, delay=spec.delay, unique=unique)
+        return Job(args, options=options, run_at=now + timedelta(seconds=spec.run_at),
+                   unique=unique)
+
+    def _enqueued(self, spec: JobSpec, job_id: UUID) -> None:
+        """The model's enqueue of `spec`, which the engine answered with `job_id`."""
+        expected = self.model.enqueue(
+            job_id, queue=OTHER_QUEUE if spec.elsewhere else QUEUE, priority=spec.priority,
+            max_attempts=spec.max_attempts, delay=spec.delay, plan=spec.plan,
+            unique_key=spec.key, unique_states=spec.key_states,
+            run_at=None if spec.run_at is None else self.model.now + spec.run_at)
         assert job_id == expected, (
             f"enqueue with key {spec.key!r} returned {job_id}; the model says {expected}")
         self.world.plans.setdefault(job_id, spec.plan)
+
+    @rule(jobs=st.lists(_job_specs(batch=True), min_size=1, max_size=4),
+          build=st.booleans(), refuse=st.sampled_from((None, None, PLAIN, BUILD)))
+    def enqueue_batch(self, jobs: list[JobSpec], build: bool, refuse: str | None) -> None:
+        """
+        `Queue.enqueue_many` of plain jobs (delays, explicit run_at, unique keys),
+        with a build job among them when `build` (one statement per kind, the
+        build one first): the ids come back in the order given (a unique job
+        whose key is held, by an earlier job or one earlier in the batch, answers
+        its holder), and the jobs are claimed in that order. With `refuse`, the
+        server refuses that kind's statement (a trigger that raises): the batch
+        is one transaction, so nothing of it is left, not even the build job of
+        a statement that went through.
+        """
+        refused = refuse == PLAIN or (refuse == BUILD and build)
+        ids = self._call(self._enqueue_batch, jobs, build, refuse)
+        if refused:
+            assert ids is None, f"a batch whose {refuse} statement was refused went in: {ids}"
+            return
+        assert ids is not None, "a batch no trigger refused was refused"
+        for spec, job_id in zip(jobs, ids[:len(jobs)], strict=True):
+            self._enqueued(spec, job_id)
+        if build:
+            self.build_jobs += 1
+
+    async def _enqueue_batch(self, jobs: list[JobSpec], build: bool,
+                             refuse: str | None) -> list[UUID] | None:
+        now = datetime.now(UTC)
+        # Explicit run_at apart by a microsecond each: the order given.
+        batch: list[Any] = [self._job(spec, now + timedelta(microseconds=i))
+                            for i, spec in enumerate(jobs)]
+        if build:
+            owner = uuid.uuid4()
+            agent = await insert_agent(self.env.db, owner_id=owner)
+            build_id = await insert_agent_build(self.env.db, agent)
+            batch.append(make_payload("Upload", target_id=agent, build_id=build_id,
+                                      owner_id=owner))
+        if refuse is not None:
+            await self.env.db.execute(REFUSE.format(table=REFUSED_TABLES[refuse]))
+        try:
+            return await self.queue.enqueue_many(batch)
+        except asyncpg.RaiseError as exc:
+            if "refused by the machine" not in str(exc):
+                raise
+            return None
+        finally:
+            if refuse is not None:
+                await self.env.db.execute(
+                    f"DROP TRIGGER refuse_batch ON {REFUSED_TABLES[refuse]}")
+
+    # -- rules: schedules ------------------------------------------------------------
+
+    @rule(fresh=st.integers(0, 2))
+    def schedulers_tick(self, fresh: int) -> None:
+        """
+        Schedulers run a round over the machine's one schedule at once, at the
+        model's clock (`SCHEDULE_EPOCH` on): the one the machine keeps (which
+        remembers the last tick it saw) and `fresh` new ones (replicas just
+        started, which know nothing). Each tick is enqueued exactly once, the
+        first round only records the schedule, and a round at a tick already
+        taken enqueues nothing (docs/rules.md, schedules).
+        """
+        rounds = self._call(self._schedulers_tick, fresh)
+        recorded, enqueued = self.model.schedule_round()
+        ticks = [t for r in rounds for t in r.enqueued]
+        assert not any(r.failed for r in rounds), rounds
+        assert (sum(len(r.recorded) for r in rounds), len(ticks)) == (recorded, enqueued), (
+            f"{1 + fresh} scheduler(s) recorded {[r.recorded for r in rounds]} and enqueued "
+            f"{ticks}; the model says {recorded} recorded, {enqueued} enqueued")
+        for tick in ticks:
+            # The tick's job is due (its run_at is the tick, long past) on a queue
+            # no worker of the machine runs.
+            self.model.enqueue(tick.job_id, queue=OTHER_QUEUE, priority=0, max_attempts=3,
+                               delay=0, plan=(), run_at=self.model.now - TICK)
+
+    async def _schedulers_tick(self, fresh: int) -> list[SchedulerRound]:
+        now = SCHEDULE_EPOCH + timedelta(seconds=self.model.now)
+        schedulers = [self.scheduler] + [Scheduler(self.queue, [SCHEDULE]) for _ in range(fresh)]
+        rounds: list[SchedulerRound] = []
+
+        async def tick(scheduler: Scheduler) -> None:
+            rounds.append(await scheduler.run_once(now))
+
+        async with trio.open_nursery() as nursery:
+            for scheduler in schedulers:
+                nursery.start_soon(tick, scheduler)
+        return rounds
 
     @rule(ticks=st.sampled_from((1, 2, 60)))
     def advance_time(self, ticks: int) -> None:
@@ -344,15 +488,18 @@ class PlainStateMachine(DatabaseMachine):
         assert answer == expected, f"cancel({job_id}) said {result!r}, the model {expected!r}"
 
     def _dead(self) -> list[UUID]:
-        return [j.id for j in self.model.in_states({DISCARDED})]
+        return [j.id for j in self.model.in_states({DISCARDED, CANCELLED})]
 
     @precondition(lambda self: bool(self._dead()))
     @rule(data=st.data())
     def retry_dead_job(self, data: st.DataObject) -> None:
         """
-        The dead-letter queue's retry (`admin.jobs.retry`): a discarded job runs
-        again from attempt 0; it is refused, and nothing changes, while another
-        job holds its unique key.
+        The dead-letter queue's retry (`admin.jobs.retry`): a discarded or
+        cancelled job runs again from attempt 0, with no cancel asked (a job
+        cancelled while it ran keeps no old request: the invariant compares
+        `cancel_requested`, and a retried run that crashes is retried, not
+        cancelled); it is refused, and nothing changes, while another job holds
+        its unique key.
         """
         job_id = data.draw(st.sampled_from(self._dead()), label="job")
         job = self.model.jobs[job_id]
@@ -364,6 +511,7 @@ class PlainStateMachine(DatabaseMachine):
             return
         assert not held, f"the retry of {job_id} took a key another job holds"
         self.model.retry_dead(job_id)
+        self.cancelled_runs.pop(job_id, None)  # it may run again, until cancelled again
 
     # -- rules: workers ------------------------------------------------------------------
 
@@ -591,7 +739,8 @@ class PlainStateMachine(DatabaseMachine):
     @invariant()
     def database_equals_model(self) -> None:
         rows = self._call(self.env.db.fetch, SNAPSHOT)
-        db = {r["id"]: (r["state"], r["attempt"], r["due"]) for r in rows}
+        db = {r["id"]: (r["state"], r["attempt"], r["due"], r["cancel_requested"])
+              for r in rows}
         expected = self.model.rows()
         assert db == expected, _diff(db, expected)
         # A crashed job waits out its backoff: run_at - attempted_at in the window.
@@ -610,6 +759,13 @@ class PlainStateMachine(DatabaseMachine):
         assert not self.world.bad_claims, self.world.bad_claims
 
     @invariant()
+    def batches_leave_their_build_jobs_or_none(self) -> None:
+        count = self._call(self.env.db.fetchval, "SELECT count(*) FROM build_jobs")
+        assert count == self.build_jobs, (
+            f"{count} build job(s) in the database; the batches that went in enqueued "
+            f"{self.build_jobs} (a refused batch leaves none)")
+
+    @invariant()
     def unique_keys_are_unique(self) -> None:
         duplicates = self._call(self.env.db.fetch, DUPLICATE_KEYS)
         assert not duplicates, [(r["unique_key"], r["n"]) for r in duplicates]
@@ -626,7 +782,8 @@ def _cancelled_more(before: int, stats: WorkerStats) -> bool:
 
 
 def _diff(actual: dict[Any, Any], expected: dict[Any, Any]) -> str:
-    lines = ["plain jobs: database differs from the model (state, attempt, due)"]
+    lines = ["plain jobs: database differs from the model (state, attempt, due, "
+             "cancel_requested)"]
     for key in sorted(set(actual) | set(expected), key=str):
         if actual.get(key) != expected.get(key):
             lines.append(f"  {key}: database={actual.get(key)!r} model={expected.get(key)!r}")

@@ -120,6 +120,9 @@ class PlainModel:
     #: Workers registered by the machine that died holding jobs: "alive" until
     #: their lease runs out, then "dead" once a rescue declared them.
     workers: dict[UUID, str] = attrs.Factory(dict)
+    #: The latest tick of the machine's schedule recorded in the database (None:
+    #: no scheduler has seen it yet).
+    schedule_tick: int | None = None
     _seq: itertools.count[int] = attrs.field(factory=itertools.count)
 
     # -- the application ----------------------------------------------------------
@@ -130,15 +133,18 @@ class PlainModel:
 
     def enqueue(self, job_id: UUID, *, queue: str, priority: int, max_attempts: int,
                 delay: int, plan: tuple[Run, ...], unique_key: str | None = None,
-                unique_states: frozenset[str] = WAITING_OR_RUNNING) -> UUID:
-        """A new job, due `delay` seconds from now; a unique one whose key is held
-        inserts nothing and answers the holder's id."""
+                unique_states: frozenset[str] = WAITING_OR_RUNNING,
+                run_at: int | None = None) -> UUID:
+        """A new job, due `delay` seconds from now, or at `run_at` on the model's
+        clock when given (an explicit run_at: in the past, now or later); a
+        unique one whose key is held inserts nothing and answers the holder's id."""
         if unique_key is not None:
             holder = self.holder_of(unique_key)
             if holder is not None:
                 return holder.id
+        due_at = self.now + delay if run_at is None else run_at
         self.jobs[job_id] = PlainJob(id=job_id, queue=queue, priority=priority,
-                                     max_attempts=max_attempts, run_at=self.now + delay,
+                                     max_attempts=max_attempts, run_at=due_at,
                                      seq=next(self._seq), unique_key=unique_key,
                                      unique_states=unique_states, plan=plan)
         return job_id
@@ -161,13 +167,36 @@ class PlainModel:
         self.now += seconds
 
     def retry_dead(self, job_id: UUID) -> None:
-        """The dead-letter queue's retry (`admin.jobs.retry`): a discarded job is
-        available again now, its attempts forgotten."""
+        """The dead-letter queue's retry (`admin.jobs.retry`): a discarded or
+        cancelled job is available again now, its attempts forgotten, and with
+        them a cancel asked of the run that ended it (the retried job runs anew:
+        an old request must not cancel it)."""
         job = self.jobs[job_id]
-        assert job.state == DISCARDED
+        assert job.state in (DISCARDED, CANCELLED)
         job.state, job.attempt, job.backoff = AVAILABLE, 0, None
         job.run_at, job.seq = self.now, next(self._seq)
         job.cancel_requested = False
+
+    # -- schedules ------------------------------------------------------------------
+
+    def schedule_round(self) -> tuple[int, int]:
+        """
+        Schedulers (any number, racing or one after another) run a round over
+        the machine's one schedule, a tick every `TICK` seconds, at the model's
+        clock: the first round records the current tick and enqueues nothing;
+        each later round whose tick is newer than the one recorded enqueues it
+        exactly once (the latest tick only, however many were missed); a round
+        at a tick already recorded enqueues nothing. Returns (recorded,
+        enqueued) over all the schedulers of the round.
+        """
+        tick = self.now - self.now % TICK
+        if self.schedule_tick is None:
+            self.schedule_tick = tick
+            return 1, 0
+        if tick > self.schedule_tick:
+            self.schedule_tick = tick
+            return 0, 1
+        return 0, 0
 
     # -- claims ---------------------------------------------------------------------
 
@@ -217,7 +246,7 @@ class PlainModel:
             elif run is Run.RAISE:
                 self._crash(job)
             elif run is Run.CANCEL_THEN_RAISE or on_hang is OnHang.CANCEL:
-                job.state = CANCELLED
+                job.state, job.cancel_requested = CANCELLED, True
             elif on_hang is OnHang.FENCE:
                 job.state = AVAILABLE
             else:
@@ -263,9 +292,11 @@ class PlainModel:
 
     # -- what the database must hold ---------------------------------------------------
 
-    def rows(self) -> dict[UUID, tuple[str, int, bool | None]]:
-        """Each job: (state, attempt, whether it is due — for available jobs only)."""
-        return {j.id: (j.state, j.attempt, self.due(j) if j.state == AVAILABLE else None)
+    def rows(self) -> dict[UUID, tuple[str, int, bool | None, bool]]:
+        """Each job: (state, attempt, whether it is due — for available jobs only,
+        whether a cancel was asked of its run)."""
+        return {j.id: (j.state, j.attempt, self.due(j) if j.state == AVAILABLE else None,
+                       j.cancel_requested)
                 for j in self.jobs.values()}
 
     def in_states(self, states: Iterable[str]) -> list[PlainJob]:
