@@ -17,7 +17,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -26,6 +26,8 @@ from nasiko_queue.builds.store import BUILD_FAILED
 from nasiko_queue.config import MAX_PAYLOAD_BYTES
 from nasiko_queue.db.database import ENGINE_SERVER_SETTINGS
 from nasiko_queue.db.statements import Q
+
+T = TypeVar("T")
 
 CLAIM_ONE = """
 UPDATE build_jobs SET status = 'in_progress', picked_at = now(), attempt = attempt + 1
@@ -108,13 +110,13 @@ def same_sql(dsn: str, n_jobs: int, batch: int, streams: int = 1) -> float:
     return _run(main())
 
 
-def _run(coro: Coroutine[Any, Any, float]) -> float:
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     """On a plain asyncio selector loop, never trio-asyncio's (see workloads.plain_asyncio)."""
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
         return runner.run(_checked(coro))
 
 
-async def _checked(coro: Coroutine[Any, Any, float]) -> float:
+async def _checked(coro: Coroutine[Any, Any, T]) -> T:
     loop = asyncio.get_running_loop()
     if "trio" in type(loop).__module__:
         raise RuntimeError(f"ceiling running on {type(loop).__name__}, not plain asyncio")
@@ -187,3 +189,62 @@ def enqueue_bulk(dsn: str, statement: str, columns: tuple[list[Any], ...],
             await conn.close()
 
     return _run(main())
+
+
+# -- ceiling L (issue #25) ---------------------------------------------------------------
+#
+# (L) a bare LISTEN/NOTIFY ping-pong between two connections of one process: connection A
+#     sends `NOTIFY` on one channel, B listens to it and answers at once on another,
+#     which A listens to; the round trip, at the pace the wake workloads enqueue. The
+#     least any wake from another process can take on this server and machine: one
+#     notification out and one back, with no job written and no claim. The engine's
+#     wake latency is reported as a ratio to it (issue #25: no millisecond targets).
+
+PING, PONG = "nasiko_bench_ping", "nasiko_bench_pong"
+
+
+def listen_ping_pong(dsn: str, n: int, rate: float) -> dict[str, Any]:
+    """Ceiling L: p50/p95/p99/max of `n` NOTIFY round trips, one every 1/rate s (ms)."""
+
+    async def main() -> dict[str, Any]:
+        a, b = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            loop = asyncio.get_running_loop()
+            answers: asyncio.Queue[float] = asyncio.Queue()
+            pending: set[asyncio.Task[Any]] = set()
+
+            def echo(conn: Any, pid: int, channel: str, payload: str) -> None:
+                task = loop.create_task(b.execute("SELECT pg_notify($1, $2)", PONG, payload))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+            def heard(conn: Any, pid: int, channel: str, payload: str) -> None:
+                answers.put_nowait(time.perf_counter())
+
+            await b.add_listener(PING, echo)
+            await a.add_listener(PONG, heard)
+            samples: list[float] = []
+            t_next = time.perf_counter()
+            for i in range(n):
+                await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                t_next += 1 / rate
+                t0 = time.perf_counter()
+                await a.execute("SELECT pg_notify($1, $2)", PING, str(i))
+                samples.append(await asyncio.wait_for(answers.get(), 10) - t0)
+            return _ms_percentiles(samples)
+        finally:
+            await a.close()
+            await b.close()
+
+    return _run(main())
+
+
+def _ms_percentiles(samples: list[float]) -> dict[str, Any]:
+    """As the latency workload reports (nearest rank), in ms."""
+    s = sorted(samples)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] * 1e3
+
+    return {"p50_ms": pct(50), "p95_ms": pct(95), "p99_ms": pct(99), "max_ms": s[-1] * 1e3,
+            "n": len(s)}

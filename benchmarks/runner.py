@@ -23,7 +23,7 @@ from rich.table import Table
 
 from nasiko_queue.queue import ENQUEUE_MANY_CHUNK  # -- enqueue (issue #13)
 
-from . import ceilings, workloads
+from . import ceilings, job_costs, workflows, workloads
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +57,15 @@ class Sizes:
     #: Rounds of the 1- and 2-process replicas runs, interleaved (1, 2, 4, then
     #: 1, 2 again): the 2-vs-1 ratio is reported per round.
     replica_rounds: int = 2
+    # -- workflows (issue #22) --
+    #: Runs of the five-step chain started up front (the plain drain beside
+    #: them has as many jobs as they have steps), and runs started one after
+    #: another on an idle worker for the transition latency.
+    workflow_runs: int = 300
+    workflow_serial_runs: int = 50
+    # -- look-ahead and job costs (issue #25) --
+    #: Jobs of each `job_costs.job_cost` run (enqueued and run together).
+    cost_jobs: int = 3000
 
 
 DEFAULT = Sizes()
@@ -66,13 +75,15 @@ FULL = Sizes(drain_jobs=10_000,
              enqueue_jobs=3000,
              latency_jobs=1000, history_rows=(0, 100_000, 1_000_000), history_claims=1000,
              replica_jobs=10_000, ceiling_jobs=10_000, enqueue_many_jobs=50_000,
-             enqueue_rounds=5, flat_history_rows=1_000_000, flat_claims=1000)
+             enqueue_rounds=5, flat_history_rows=1_000_000, flat_claims=1000,
+             workflow_runs=1000, workflow_serial_runs=200)
 TINY = Sizes(drain_jobs=30, drain_settings=((1, 0), (2, 0), (1, 4)), enqueue_jobs=20,
              latency_jobs=10, latency_rate=200.0,
              history_rows=(0, 1000), history_claims=10, replica_jobs=30,
              replica_processes=(1, 2), replica_concurrency=2, ceiling_jobs=30,
              enqueue_many_jobs=60, enqueue_rounds=1,
-             flat_history_rows=1000, flat_other_rows=1000, flat_claims=10, replica_rounds=1)
+             flat_history_rows=1000, flat_other_rows=1000, flat_claims=10, replica_rounds=1,
+             workflow_runs=4, workflow_serial_runs=3, cost_jobs=30)
 
 
 def _drain_step(concurrency: int, prefetch: int) -> str:
@@ -119,7 +130,7 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
         steps.append((f"ceiling b, {name}", ceiling_b(name)))
         steps += ceiling_a(f", {name}")
     steps.append(("enqueue", lambda: workloads.enqueue(dsn, s.enqueue_jobs)))
-    steps.append(("latency", lambda: workloads.latency(dsn, s.latency_jobs, s.latency_rate)))
+    steps += latency_steps(s, dsn)  # the latency workload beside ceiling L (issue #25)
     for h in s.history_rows:
         steps.append((f"history {h:,}",
                       lambda h=h: workloads.history(dsn, h, s.history_claims)))
@@ -134,6 +145,10 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
             steps.append((f"replicas {p} #{r}", lambda p=p: workloads.replicas(
                 dsn, s.replica_jobs, p, s.replica_concurrency)))
     steps += build_row_steps(s, dsn)  # folded build-row writes (issue #13)
+    steps.append(("workflows", functools.partial(  # -- workflows (issue #22)
+        workflows.workflow_drain, dsn, s.workflow_runs, WORKFLOW_CONCURRENCY,
+        s.workflow_serial_runs)))
+    steps += look_ahead_steps(s, dsn)  # look-ahead and job costs (issue #25)
     return steps
 
 
@@ -217,13 +232,15 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "ceilings": ceil,
         "drain": drain,
         "enqueue": enq,
-        "latency": raw["latency"],
+        "latency": latency_result(raw),  # with its ratios to ceiling L (issue #25)
         "history": hist,
         "claim_flat": raw.get("claim flat"),
         "replicas": reps,
         "enqueue_vs_bare": _enqueue_assemble(raw, s),  # -- enqueue (issue #13)
         "replicas_2_vs_1": _two_vs_one(raw, s),
         "build_row": build_row_result(raw, s),  # folded build-row writes (issue #13)
+        "workflows": raw.get("workflows"),  # -- workflows (issue #22)
+        "look_ahead": look_ahead_result(raw, s),  # look-ahead and job costs (issue #25)
     }
 
 
@@ -378,6 +395,7 @@ def table(result: dict[str, Any]) -> Table:
                           "target: p50 ≤ 1 ms, p99 ≤ 3 ms")
         else:
             t.add_row("latency", where.replace("_", " "), str(v), "")
+    ceiling_l_rows(t, result)  # -- ceiling L (issue #25)
     for h in result["history"]:
         t.add_row("history", f"{h['history_rows']:,} done/failed rows",
                   f"claim p50 {h['p50_ms']:.3f} · p99 {h['p99_ms']:.3f} ms",
@@ -408,6 +426,8 @@ def table(result: dict[str, Any]) -> Table:
         t.add_row("replicas", f"{r['processes']} process(es) × c={r['concurrency']}",
                   f"{r['jobs_per_s']:,.0f} jobs/s{vs_one}", _r(r["ratios"]) + cpu)
     build_row_rows(t, result)  # folded build-row writes (issue #13)
+    workflow_rows(t, result)  # -- workflows (issue #22)
+    look_ahead_rows(t, result)  # look-ahead and job costs (issue #25)
     return t
 
 
@@ -537,3 +557,159 @@ def build_row_rows(t: Table, result: dict[str, Any]) -> None:
                   f", {m['start_writes_sent']} start writes sent)",
                   f"{m['vs_noop']:.2f}x no-op (runs: "
                   + ", ".join(f"{x:,.0f}" for x in m["runs"]) + ")")
+
+
+# -- workflows (issue #22) -----------------------------------------------------
+#
+# Runs of a five-step chain against a plain drain of as many jobs, measured
+# right before them in the same step, at the same concurrency
+# (`benchmarks/workflows.py`).
+
+#: The workflow drain's concurrency, as the plain drain's at the same setting.
+WORKFLOW_CONCURRENCY = 10
+
+
+def workflow_rows(t: Table, result: dict[str, Any]) -> None:
+    w = result.get("workflows")
+    if not w:
+        return
+    t.add_row("plain drain", f"{w['runs'] * w['steps_per_run']:,} BenchPing jobs, "
+              f"c={w['concurrency']}", f"{w['plain_jobs_per_s']:,.0f} jobs/s",
+              "the base of the next row")
+    t.add_row("workflows", f"{w['runs']:,} runs of {w['steps_per_run']} chained steps, "
+              f"c={w['concurrency']}",
+              f"{w['runs_per_s']:,.1f} runs/s ({w['steps_per_s']:,.0f} steps/s)",
+              f"{w['steps_vs_plain']:.2f}x the plain drain (steps/s ÷ jobs/s)")
+    for key, label in (("transition_loaded", "in that drain"),
+                       ("transition_idle", f"{w['serial_runs']} runs one by one, idle")):
+        v = w[key]
+        t.add_row("transition", f"step end → next step's start, {label}",
+                  f"p50 {v['p50_ms']:.2f} · p99 {v['p99_ms']:.2f} · max {v['max_ms']:.2f} ms",
+                  f"{v['n']} transitions")
+
+
+# -- look-ahead and job costs (issue #25) ----------------------------------------
+#
+# The plain drain at concurrency 1 and 10 with prefetch 0 (the former default)
+# and with the default ("auto"), in turn, `LOOK_AHEAD_ROUNDS` rounds (which goes
+# first alternates): the ratio auto / 0 is taken within each round, the summary
+# is their median. Then what one job costs the server, plain and build, enqueued
+# and run together (`job_costs.job_cost`).
+
+LOOK_AHEAD_CONCURRENCY = (1, 10)
+LOOK_AHEAD_ROUNDS = 2
+#: The concurrency of the job-cost runs.
+COST_CONCURRENCY = 10
+COST_KINDS = ("plain", "build")
+
+
+def look_ahead_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+    steps: list[tuple[str, Callable[[], Any]]] = []
+    for r in range(1, LOOK_AHEAD_ROUNDS + 1):
+        for c in LOOK_AHEAD_CONCURRENCY:
+            order = ("p0", "auto") if r % 2 else ("auto", "p0")
+            steps += [(f"plain drain c={c} {setting} #{r}",
+                       functools.partial(job_costs.plain_drain, dsn, s.drain_jobs, c, setting))
+                      for setting in order]
+    steps += [(f"job cost {kind}", functools.partial(job_costs.job_cost, dsn, kind,
+                                                     s.cost_jobs, COST_CONCURRENCY))
+              for kind in COST_KINDS]
+    return steps
+
+
+def look_ahead_result(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
+    drains = []
+    for c in LOOK_AHEAD_CONCURRENCY:
+        rounds = range(1, LOOK_AHEAD_ROUNDS + 1)
+        p0 = [raw[f"plain drain c={c} p0 #{r}"] for r in rounds]
+        auto = [raw[f"plain drain c={c} auto #{r}"] for r in rounds]
+        ratios = [a["jobs_per_s"] / b["jobs_per_s"] for a, b in zip(auto, p0, strict=True)]
+        drains.append({"concurrency": c, "jobs": s.drain_jobs,
+                       "p0": p0, "auto": auto, "ratios": ratios,
+                       "ratio": statistics.median(ratios)})
+    return {"drain": drains, "job_cost": {kind: raw[f"job cost {kind}"] for kind in COST_KINDS}}
+
+
+def look_ahead_rows(t: Table, result: dict[str, Any]) -> None:
+    la = result.get("look_ahead")
+    if not la:
+        return
+    for d in la["drain"]:
+        def line(runs: list[dict[str, Any]]) -> str:
+            return " · ".join(f"{x['jobs_per_s']:,.0f}" for x in runs) + " jobs/s"
+
+        look = ", ".join(str(x["look_ahead"]) for x in d["auto"])
+        t.add_row("plain drain, prefetch 0 | auto", f"c={d['concurrency']}",
+                  f"{line(d['p0'])} | {line(d['auto'])}",
+                  f"auto {d['ratio']:.2f}x prefetch 0 (rounds: "
+                  + ", ".join(f"{r:.2f}" for r in d["ratios"]) + f"); look-ahead {look}")
+    for kind, c in la["job_cost"].items():
+        cpu = c["server_cpu_us_per_job"]
+        where = ", ".join(f"{name} {b:,.0f}" for name, b in c["bytes_per_job"].items())
+        t.add_row("job cost (enqueue + run)", f"{kind}, c={c['concurrency']}",
+                  f"{c['wal_bytes_per_job']:,.0f} B WAL/job · "
+                  + (f"{cpu:,.0f} µs server CPU/job" if cpu is not None else "server CPU n/a"),
+                  f"HOT {c['hot_share'] or 0:.0%} of updates, fillfactor {c['fillfactor']}; "
+                  f"bytes/job: {where}")
+
+
+# -- ceiling L (issue #25) ---------------------------------------------------------
+#
+# Wake latency as a ratio to a bare asyncpg LISTEN/NOTIFY ping-pong between two
+# connections (`ceilings.listen_ping_pong`), measured right before the latency
+# workload at its pace: issue #25 sets no millisecond target, only this ratio
+# (wake p50 and p99 ≤ 1.5x L) and one to the peer (benchmarks/peer_graphile.py).
+
+#: The wake figures given as ratios to L: the runs from another process, where only
+#: LISTEN/NOTIFY can wake the worker.
+L_RUNS = ("other_process", "plain_other_process")
+
+
+def latency_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+    return [("ceiling L", functools.partial(ceilings.listen_ping_pong, dsn, s.latency_jobs,
+                                            s.latency_rate)),
+            ("latency", functools.partial(workloads.latency, dsn, s.latency_jobs,
+                                          s.latency_rate))]
+
+
+def vs_ceiling_l(wake: dict[str, Any], ceiling_l: dict[str, Any]) -> dict[str, float]:
+    """p50 and p99 of a wake (from before the enqueue call, and after its commit) over L's."""
+    out = {"p50": wake["p50_ms"] / ceiling_l["p50_ms"],
+           "p99": wake["p99_ms"] / ceiling_l["p99_ms"]}
+    if "after_commit" in wake:
+        a = wake["after_commit"]
+        out["after_commit_p50"] = a["p50_ms"] / ceiling_l["p50_ms"]
+        out["after_commit_p99"] = a["p99_ms"] / ceiling_l["p99_ms"]
+    return out
+
+
+def latency_result(raw: dict[str, Any]) -> dict[str, Any]:
+    """The latency workload's figures, ceiling L beside them and each wake's ratio to it."""
+    lat = dict(raw["latency"])
+    ceiling_l = raw.get("ceiling L")
+    if ceiling_l is not None:
+        lat["ceiling_L"] = ceiling_l
+        for where in L_RUNS:
+            if isinstance(lat.get(where), dict):
+                lat[where] = {**lat[where], "vs_L": vs_ceiling_l(lat[where], ceiling_l)}
+    return lat
+
+
+def ceiling_l_rows(t: Table, result: dict[str, Any]) -> None:
+    lat = result.get("latency") or {}
+    ceiling_l = lat.get("ceiling_L")
+    if ceiling_l is None:
+        return
+    t.add_row("ceiling L", f"bare LISTEN/NOTIFY ping-pong, 2 conns ({ceiling_l['n']} round trips)",
+              f"p50 {ceiling_l['p50_ms']:.2f} · p95 {ceiling_l['p95_ms']:.2f} · "
+              f"p99 {ceiling_l['p99_ms']:.2f} · max {ceiling_l['max_ms']:.2f} ms", "")
+    for where in L_RUNS:
+        v = lat.get(where)
+        if not isinstance(v, dict) or "vs_L" not in v:
+            continue
+        r = v["vs_L"]
+        after = (f"; after its commit p50 {r['after_commit_p50']:.2f}x, "
+                 f"p99 {r['after_commit_p99']:.2f}x" if "after_commit_p50" in r else "")
+        t.add_row("latency ÷ ceiling L", where.replace("_", " ") + " (from before the call)",
+                  f"p50 {r['p50']:.2f}x · p99 {r['p99']:.2f}x L",
+                  "target: p50 and p99 ≤ 1.5x L" + after)

@@ -16,7 +16,8 @@ Layout (each package and module is named for what it holds):
   their wire converter), ``store`` (every transition of a ``build_jobs`` row),
   ``executor`` (a build job's steps), ``terminalize`` (a failed job's target)
 * ``plain/``    plain jobs: ``args`` (`JobArgs`, `JobOptions`, `Unique`,
-  `Backoff`), ``store``, ``executor``, ``schedules`` (cron)
+  `Backoff`), ``store``, ``executor``, ``schedules`` (cron), ``limits`` (limits
+  across replicas: `Rate`, `QueueLimit`, `PartitionMode`)
 * ``admin/``    listings and the dead letters (``jobs``), one job's view
   (``view``), ``retention``, the queue's ``status``
 * ``db/``       asyncpg through trio-asyncio (``database``), the engine's own
@@ -83,6 +84,9 @@ from .plain.args import Job as Job
 from .plain.args import JobArgs as JobArgs
 from .plain.args import JobOptions as JobOptions
 from .plain.args import Unique as Unique
+from .plain.limits import PartitionMode as PartitionMode
+from .plain.limits import QueueLimit as QueueLimit
+from .plain.limits import Rate as Rate
 from .plain.results import Results as Results
 from .plain.schedules import Schedule as Schedule
 from .plain.schedules import Scheduler as Scheduler

@@ -12,7 +12,7 @@ import functools
 import warnings
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -45,6 +45,15 @@ HEARTBEAT_INTERVAL = 3.0
 #: garbage collection, a network blip, a fail-over) is not taken for a death,
 #: while a job whose worker died runs again within about 20 s.
 LEASE = 15.0
+#: `QueueConfig.prefetch_auto_wait`: the expected wait, in seconds, of the last
+#: job an adaptive lane claims ahead of its free slots.
+PREFETCH_AUTO_WAIT = 0.05
+#: `QueueConfig.prefetch_auto_ttl`: seconds a job claimed ahead by an adaptive
+#: lane may wait for a slot before it goes back.
+PREFETCH_AUTO_TTL = 1.0
+
+#: What `QueueConfig.prefetch` may say: a number of jobs, or "auto".
+Prefetch = int | Literal["auto"]
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -69,6 +78,14 @@ def _retention(
 def _at_least_one(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ConfigurationError(f"{attribute.name} must be >= 1, got {value!r}")
+
+
+def _prefetch(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None or value == "auto":
+        return
+    if type(value) is not int or value < 0:
+        raise ConfigurationError(f"{attribute.name} must be 'auto', an integer >= 0 or None "
+                                 f"(the default), got {value!r}")
 
 
 def _queues(
@@ -128,17 +145,29 @@ class QueueConfig:
     #: Whether this worker runs build jobs (when build executors are
     #: registered): off for a process that only runs plain queues.
     builds: bool = True
-    #: Jobs a worker may claim ahead of its free slots, into a local buffer, so
+    #: Jobs a lane may claim ahead of its free slots, into a local buffer, so
     #: that a slot whose job ends starts the next at once while the fetcher
-    #: records the finish and claims more in one statement. 0 (the default, as
-    #: in the original) claims only for idle slots. For many short jobs; a
-    #: prefetched job counts as claimed (attempt, picked_at) until it is given back.
-    prefetch: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    #: Seconds a prefetched job may wait in the buffer before it goes back to
-    #: pending (attempt restored) for an idle replica to take; after that the
-    #: worker prefetches again only once a slot of its own runs dry. Must stay
-    #: well under `stuck_job_mins`, or a sweep elsewhere would run it twice.
+    #: records the finish and claims more in one statement. A prefetched job
+    #: counts as claimed (attempt, picked_at) until it starts or is given back.
+    #: "auto": as many as the lane's recent run times say will start within
+    #: `prefetch_auto_wait` (none while its jobs run that long or longer), each
+    #: given back after `prefetch_auto_ttl` unstarted (`engine.lookahead`). A
+    #: number: that many, given back after `prefetch_ttl`. None (the default):
+    #: "auto" for each queue of plain jobs, 0 for the build jobs (the
+    #: original's behaviour: its jobs run for minutes).
+    prefetch: Prefetch | None = attrs.field(default=None, validator=_prefetch)
+    #: Seconds a job prefetched by a fixed `prefetch` may wait in the buffer
+    #: before it goes back to pending (attempt restored) for an idle replica to
+    #: take; after that the lane prefetches again only once a slot of its own
+    #: runs dry. Must stay well under `stuck_job_mins`, or a sweep elsewhere
+    #: would run it twice.
     prefetch_ttl: float = attrs.field(default=60.0, validator=_positive)
+    #: With "auto": the expected wait, in seconds, of the last job claimed ahead.
+    prefetch_auto_wait: float = attrs.field(default=PREFETCH_AUTO_WAIT, validator=_positive)
+    #: With "auto": seconds a job claimed ahead may wait for a slot before it
+    #: goes back (attempt restored) for another slot or replica: the most a
+    #: short job waits behind a run that turned long unexpectedly.
+    prefetch_auto_ttl: float = attrs.field(default=PREFETCH_AUTO_TTL, validator=_positive)
     #: Largest encoded payload `enqueue` accepts.
     max_payload_bytes: int = attrs.field(default=MAX_PAYLOAD_BYTES, validator=_at_least_one)
     #: Largest encoded result a plain job's executor may return (issue #22): a
@@ -238,11 +267,31 @@ class QueueConfig:
                 f"lease ({self.lease}s) must be at least three heartbeat intervals "
                 f"({self.heartbeat_interval}s): a worker stops its own jobs one interval "
                 "before its lease ends, and one missed heartbeat must not be a death")
-        if self.prefetch and self.prefetch_ttl >= self.stuck_job_mins * 60 / 2:
-            raise ConfigurationError(
-                f"prefetch_ttl ({self.prefetch_ttl}s) must be under half of stuck_job_mins "
-                f"({self.stuck_job_mins} min): a prefetched job counts as in_progress, and "
-                "one held near the stuck threshold could be recovered and run elsewhere too")
+        # The TTL a lane may hold a prefetched job for: a fixed number's, or
+        # "auto"'s (None: plain lanes are "auto").
+        ttls: dict[str, float] = {}
+        if type(self.prefetch) is int and self.prefetch:
+            ttls["prefetch_ttl"] = self.prefetch_ttl
+        elif self.prefetch in (None, "auto"):
+            ttls["prefetch_auto_ttl"] = self.prefetch_auto_ttl
+        for name, ttl in ttls.items():
+            if ttl >= self.stuck_job_mins * 60 / 2:
+                raise ConfigurationError(
+                    f"{name} ({ttl}s) must be under half of stuck_job_mins "
+                    f"({self.stuck_job_mins} min): a prefetched job counts as in_progress, "
+                    "and one held near the stuck threshold could be recovered and run "
+                    "elsewhere too")
+
+    def lane_prefetch(self, *, builds: bool) -> Prefetch:
+        """What `prefetch` means for one lane: the default (None) is "auto" for a
+        queue of plain jobs, 0 for the build jobs."""
+        if self.prefetch is None:
+            return 0 if builds else "auto"
+        return self.prefetch
+
+    def lane_ttl(self) -> float:
+        """The give-back TTL of a lane whose `prefetch` is resolved (`lane_prefetch`)."""
+        return self.prefetch_auto_ttl if self.prefetch == "auto" else self.prefetch_ttl
 
 
 _RENAMED = ("QueueConfig.max_attempts is now build_max_attempts (it caps build jobs only; "

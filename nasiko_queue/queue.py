@@ -30,6 +30,10 @@ from .db.database import Database, Transaction
 from .db.statements import Q
 from .errors import InvalidPayload, PayloadTooLarge, leaves
 from .plain.args import Job, JobArgs, JobOptions, Unique
+from .plain.limits import PartitionMode, QueueLimit, Rate
+from .plain.limits import clear_limit as clear_queue_limit
+from .plain.limits import limits as queue_limits
+from .plain.limits import set_limit as set_queue_limit
 from .plain.results import Results, open_results
 from .secrets import SecretBox
 from .workflows.definition import Workflow
@@ -270,6 +274,42 @@ class Queue:
         """
         return await cancel_plain_job(self.db, job_id)
 
+    # -- limits across replicas (issue #23) --
+
+    async def set_limit(self, queue: str, *, concurrency: int | None = None,
+                        rate: Rate | None = None, partition_by: str | None = None,
+                        partition_mode: PartitionMode | str = PartitionMode.NONE
+                        ) -> QueueLimit:
+        """
+        Limit the plain-job queue `queue` across every worker, at once and
+        without a deploy: at most `concurrency` of its jobs running, at most
+        `rate` starts per period (per `partition_by` key when given), claims
+        shared between keys by `partition_mode`. Replaces the queue's limits;
+        workers are woken so that a raised limit is used at once. Applies on
+        top of each worker's own `QueueConfig.queues`.
+        """
+        limit = QueueLimit(queue=queue, concurrency=concurrency, rate=rate,
+                           partition_by=partition_by, partition_mode=partition_mode)
+        await set_queue_limit(self.db, limit)
+        await self._notify_workers()
+        return limit
+
+    async def clear_limit(self, queue: str) -> bool:
+        """The queue unlimited again (its per-worker slots still apply); False if
+        it had no limits."""
+        cleared = await clear_queue_limit(self.db, queue)
+        if cleared:
+            await self._notify_workers()
+        return cleared
+
+    async def limits(self) -> list[QueueLimit]:
+        """Every limited queue, with its running jobs and starts in the window now."""
+        return await queue_limits(self.db)
+
+    async def _notify_workers(self) -> None:
+        if self.config.notify_channel is not None:
+            await self.db.execute(Q.queue_notify, self.config.notify_channel)
+
     # -- workflows (issue #22) --
     async def start(self, workflow: Workflow, input: Any = None, *,
                     unique: str | None = None, tx: Transaction | None = None) -> UUID:
@@ -470,9 +510,19 @@ class Queue:
         async def insert_all(conn: asyncpg.Connection) -> None:
             if len(statements) == 1 and not statements[0][3]:
                 await insert(conn)
-            else:
-                async with conn.transaction():
-                    await insert(conn)
+                return
+            # Not `async with conn.transaction()`: when the connection is lost
+            # mid-batch, its exit raises "cannot call Transaction.__aexit__()"
+            # over the error that says what happened (issue #24).
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                await insert(conn)
+            except BaseException:
+                if not conn.is_closed():
+                    await transaction.rollback()
+                raise
+            await transaction.commit()
 
         await self.db.run_kept(insert_all)
         self.wake()

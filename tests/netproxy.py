@@ -12,7 +12,11 @@ slow network, a loaded server or a connection that hangs without a reset would.
 * `delay_replies(seconds)` holds every chunk the server sends, on every
   connection, for that long before passing it on (a late answer). The client's
   own bytes still go straight through, so the server does the work and commits.
-* `restore()` undoes both.
+* `cut_on(marker)` closes the first connection that sends a chunk holding
+  `marker` (say, a statement's text on its way to the server), instead of
+  passing that chunk on: a connection lost between two statements, the server
+  having answered the first and never seen the second.
+* `restore()` undoes the freezes and the delay.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class Proxy:
         self._links: set[_Link] = set()
         self._reply_delay = 0.0
         self._partitioned = False
+        self._cut_marker: bytes | None = None
+        #: Set when `cut_on` has closed a connection.
+        self.cut = trio.Event()
         self.port = 0
         #: Connections accepted so far.
         self.accepted = 0
@@ -60,6 +67,9 @@ class Proxy:
 
     def delay_replies(self, seconds: float) -> None:
         self._reply_delay = seconds
+
+    def cut_on(self, marker: bytes) -> None:
+        self._cut_marker = marker
 
     def restore(self) -> None:
         self._reply_delay = 0.0
@@ -101,6 +111,10 @@ class Proxy:
                     break
                 while link.frozen:
                     await link.thawed.wait()
+                if not reply and self._cut_marker is not None and self._cut_marker in data:
+                    self._cut_marker = None  # one connection, once
+                    self.cut.set()
+                    break  # close both ways: the chunk never reaches the server
                 if reply and self._reply_delay:
                     await trio.sleep(self._reply_delay)  # the slow network itself
                 await dst.send_all(data)

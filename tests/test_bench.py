@@ -14,7 +14,7 @@ import pytest
 import trio
 from rich.table import Table
 
-from benchmarks import runner
+from benchmarks import job_costs, runner
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,9 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
     # -- latency / claim flat / replicas (issue #13) --
     for where in ("in_process", "other_process", "plain_other_process"):
         assert data["latency"][where]["after_commit"]["n"] == runner.TINY.latency_jobs
+    # -- ceiling L (issue #25): measured in the run, each wake across processes a ratio to it
+    assert data["latency"]["ceiling_L"]["n"] == runner.TINY.latency_jobs
+    assert all(data["latency"][w]["vs_L"]["p50"] > 0 for w in runner.L_RUNS)
     assert [(c["lane"], c["loaded"]["p50_ms"] > 0, c["empty"]["buffers"] > 0)
             for c in data["claim_flat"]["cases"]] == [
         ("all kinds", True, True), ("some kinds", True, True), ("plain", True, True),
@@ -80,6 +83,19 @@ async def test_bench_runs_every_workload_with_tiny_sizes(dsn: str, tmp_path: Pat
             assert all(v > 0 for v in pair["bare_jobs_per_s"] + pair["engine_jobs_per_s"])
             assert pair["ratio"] > 0
         assert all(v > 0 for v in vs_bare[kind]["many"]["bare_copy_jobs_per_s"])
+
+    # -- workflows (issue #22) --
+    wf = data["workflows"]
+    assert (wf["runs"], wf["steps_per_run"]) == (runner.TINY.workflow_runs, 5)
+    assert wf["plain_jobs_per_s"] > 0
+    assert wf["runs_per_s"] > 0
+    assert wf["steps_per_s"] == pytest.approx(wf["runs_per_s"] * 5)
+    assert wf["steps_vs_plain"] == wf["steps_per_s"] / wf["plain_jobs_per_s"]
+    # Every transition of every run measured, from the jobs' timestamps.
+    assert wf["transition_loaded"]["n"] == runner.TINY.workflow_runs * 4
+    assert wf["transition_idle"]["n"] == runner.TINY.workflow_serial_runs * 4
+    for key in ("transition_loaded", "transition_idle"):
+        assert 0 < wf[key]["p50_ms"] <= wf[key]["p99_ms"] <= wf[key]["max_ms"]
 
     table = runner.table(data)
     assert table.row_count > 10
@@ -115,3 +131,65 @@ async def test_the_build_row_drains_run_and_are_shown_beside_the_no_op_drain(dsn
     table = Table()
     runner.build_row_rows(table, {"build_row": result})
     assert table.row_count == 5
+
+
+# -- look-ahead and job costs (issue #25) ---------------------------------------------
+
+
+async def test_the_look_ahead_drains_and_the_job_costs_run_and_are_shown(dsn: str) -> None:
+    """The block of issue #25: the plain drain with prefetch 0 and with the default
+    ("auto") in each round, their ratio, and what a plain and a build job cost the
+    server (WAL, backends' CPU, bytes per relation). Only that each figure is there
+    and sane; the speed is the bench's to report."""
+    sizes = runner.TINY
+    raw = {}
+    for name, step in runner.look_ahead_steps(sizes, dsn):
+        raw[name] = await trio.to_thread.run_sync(step)
+    result = runner.look_ahead_result(raw, sizes)
+    assert [d["concurrency"] for d in result["drain"]] == list(runner.LOOK_AHEAD_CONCURRENCY)
+    for d in result["drain"]:
+        assert d["ratio"] > 0
+        assert all(x["look_ahead"] is None for x in d["p0"])  # prefetch 0: no look-ahead
+        assert all(x["look_ahead"] is not None for x in d["auto"])
+        assert all(x["returned"] == 0 for x in d["p0"] + d["auto"])
+    for kind, cost in result["job_cost"].items():
+        assert cost["wal_bytes_per_job"] > 0, kind
+        assert cost["per_job"]["n_tup_ins"] >= 1, cost  # every job inserted
+        assert cost["per_job"]["n_tup_upd"] >= 2, cost  # claimed, then finished
+        table = job_costs.TABLES[kind]
+        assert cost["bytes_per_job"][table] > 0, cost
+        assert len(cost["bytes_per_job"]) > 1, cost  # the heap and its indexes
+        cpu = cost["server_cpu_us_per_job"]
+        assert cpu is None or cpu >= 0
+    table = Table()
+    runner.look_ahead_rows(table, {"look_ahead": result})
+    assert table.row_count == len(runner.LOOK_AHEAD_CONCURRENCY) + len(runner.COST_KINDS)
+
+
+# -- ceiling L (issue #25) --------------------------------------------------------------
+
+
+async def test_ceiling_l_is_measured_beside_the_wake_and_each_wake_is_a_ratio_to_it(
+        dsn: str) -> None:
+    """Ceiling L (a bare LISTEN/NOTIFY ping-pong) runs in the latency block, and each
+    wake from another process is given as a ratio to it; only the shape is checked."""
+    sizes = runner.TINY
+    raw = {}
+    steps = runner.latency_steps(sizes, dsn)
+    assert [name for name, _ in steps] == ["ceiling L", "latency"]
+    for name, step in steps:
+        raw[name] = await trio.to_thread.run_sync(step)
+    lat = runner.latency_result(raw)
+    ceiling_l = lat["ceiling_L"]
+    assert ceiling_l["n"] == sizes.latency_jobs
+    assert 0 < ceiling_l["p50_ms"] <= ceiling_l["p99_ms"] <= ceiling_l["max_ms"]
+    for where in runner.L_RUNS:
+        wake, ratios = lat[where], lat[where]["vs_L"]
+        assert ratios["p50"] == wake["p50_ms"] / ceiling_l["p50_ms"]
+        assert ratios["p99"] == wake["p99_ms"] / ceiling_l["p99_ms"]
+        assert ratios["after_commit_p50"] == (wake["after_commit"]["p50_ms"]
+                                              / ceiling_l["p50_ms"])
+    assert "vs_L" not in lat["in_process"]  # an in-process wake needs no NOTIFY
+    table = Table()
+    runner.ceiling_l_rows(table, {"latency": lat})
+    assert table.row_count == 1 + len(runner.L_RUNS)

@@ -52,11 +52,11 @@ async def _claim_pages(db: Database) -> int:
         await tx.start()
         try:
             await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            await conn.execute("PREPARE nq_flat(text, int, uuid, uuid, int) AS\n"
+            await conn.execute("PREPARE nq_flat(text, int, uuid, uuid, int, uuid[]) AS\n"
                                + Q.plain_claim)
             text = await conn.fetchval(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
-                "EXECUTE nq_flat('ticks', 1, gen_random_uuid(), NULL, 1000000)")
+                "EXECUTE nq_flat('ticks', 1, gen_random_uuid(), NULL, 1000000, '{}')")
         finally:
             await tx.rollback()  # the claim is not kept
             await conn.execute("DEALLOCATE nq_flat")
@@ -123,8 +123,8 @@ async def test_a_plan_made_while_the_queue_was_empty_still_reads_the_indexes(
     """
     kinds = "{" + ",".join(sorted(KINDS)) + "}"
     if lane == "plain":
-        sql, types = Q.plain_claim, "text, int, uuid, uuid, int"
-        call = "EXECUTE nq_empty('ticks', 5, gen_random_uuid(), NULL, 1000000)"
+        sql, types = Q.plain_claim, "text, int, uuid, uuid, int, uuid[]"
+        call = "EXECUTE nq_empty('ticks', 5, gen_random_uuid(), NULL, 1000000, '{}')"
         fill = ("INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, max_attempts) "
                 "SELECT gen_random_uuid(), 'ticks', 'tick', '{}', 5 "
                 "FROM generate_series(1, 3000)")

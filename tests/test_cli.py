@@ -362,6 +362,14 @@ def test_worker_flags_reach_the_queue_config(
     assert "--build-max-attempts" in old.stderr
     assert configs[-1] == QueueConfig(build_max_attempts=4)
     assert "--max-attempts" not in invoke(runner, "worker", "--help").output
+    # --prefetch takes "auto" too (issue #25); unset, each lane its default.
+    assert invoke(runner, *spec, "--prefetch", "auto").exit_code == 0
+    assert configs[-1] == QueueConfig(prefetch="auto")
+    assert configs[0].prefetch is None
+    for bad in ("-1", "always"):
+        refused = invoke(runner, *spec, "--prefetch", bad)
+        assert refused.exit_code == 2
+        assert "--prefetch" in refused.stderr
 
 
 def test_the_build_jobs_attempt_cap_is_build_max_attempts_and_the_old_name_is_deprecated(
@@ -540,13 +548,18 @@ async def test_worker_process_second_signal_stops_at_once(
         job = await enqueue_with_target(queue, "Update")
 
         async def running() -> bool:
-            return await _job_status(queue.db, job.job_id) == "in_progress"
+            # The executor has started (it marks its build row), not only the claim:
+            # a graceful stop gives back a claimed job that has not started yet,
+            # attempt restored (docs/rules.md §8).
+            build = await queue.db.fetchval(
+                "SELECT status FROM agent_builds WHERE id = $1", job.build_id)
+            return build == "building"
 
         async def stopping() -> bool:
             text = await trio.Path(worker_log).read_text()
             return "stopping once the running jobs finish" in text
 
-        await _wait_for("the job to start", running, proc)
+        await _wait_for("the job's executor to start", running, proc)
         proc.send_signal(signal.SIGTERM)
         await _wait_for("the first signal to be handled", stopping, proc)
         assert proc.returncode is None  # still waiting for the running job

@@ -176,6 +176,46 @@ async def test_a_job_cancelled_while_running_is_retried_without_its_old_cancel_r
     assert runs == [1, 1, 2]
 
 
+async def test_a_cancel_delivered_as_a_run_crashes_does_not_stop_the_jobs_retry(
+    queue: Queue,
+) -> None:
+    """
+    Found by chance under load (issue #25's session): the heartbeat delivers a
+    run's cancel after its executor raised but before the crash was written. The
+    worker marked the claim (job, attempt 1) cancelled, and nothing removed the
+    mark once the run ended `cancelled`. The dead-letter retry starts the job
+    from attempt 0, so its next claim was (job, attempt 1) again: that run was
+    taken for the cancelled one and ended `cancelled` without starting, again
+    and again. The heartbeat's beat is made certain here: the executor runs it
+    itself, between its cancel and its crash. Failed before the fix (the retried
+    job never ran; a run's end now clears its claim's mark).
+    """
+    runs: list[int] = []
+    executors = Executors()
+    workers: list[Any] = []
+
+    @executors.register(Mail, backoff=no_backoff)
+    async def crash(ctx: Any) -> None:
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
+            assert await ctx.db.fetchval("SELECT nasiko_queue_cancel($1)",
+                                         ctx.job_id) == "cancelling"
+            await workers[0].heartbeat.beat_once()  # delivers the cancel to this run
+            raise RuntimeError("crash 1")  # before a checkpoint: it ends as a crash
+
+    job_id = await queue.enqueue(Mail(to="d@example.com"))
+    async with running(queue, executors) as worker:
+        workers.append(worker)
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.cancelled >= 1)
+            assert (await _state(queue.db, job_id))["state"] == "cancelled"
+            assert await retry(queue.db, job_id, FAST) == "plain"
+            await worker.wait_for(lambda s: s.done >= 1 or s.cancelled >= 2)
+    row = await _state(queue.db, job_id)
+    assert (row["state"], row["attempt"]) == ("completed", 1)
+    assert runs == [1, 1]
+
+
 async def test_cancel_refuses_build_jobs_and_ended_jobs(queue: Queue) -> None:
     build = await enqueue_with_target(queue, "Upload")
     with pytest.raises(JobRefused, match="build jobs cannot be cancelled"):

@@ -28,7 +28,7 @@ from nasiko_queue.testing import (
 )
 
 from .conftest import FAST, MASTER_KEY
-from .helpers import executors_for_all, job_row, running, succeed
+from .helpers import TEST_DEADLINE, executors_for_all, job_row, running, succeed
 
 
 def _buffered(worker: Worker) -> int:
@@ -351,6 +351,53 @@ async def test_a_mixed_batch_refused_on_its_plain_statement_leaves_no_build_row(
     assert await queue.db.fetchval("SELECT count(*) FROM build_jobs") == 1
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 2
     assert len(set(ids)) == 3
+
+
+async def test_a_mixed_batch_that_loses_its_connection_before_the_plain_statement_leaves_nothing(
+    dsn: str,
+) -> None:
+    """
+    A mixed batch (one statement per kind): the build statement goes through,
+    then the connection is lost before the plain statement reaches the server
+    (the proxy closes it on that statement's text). The batch was one
+    transaction that never committed, so the build job goes with it; the
+    caller gets the driver's connection error (not a half-enqueued batch and no
+    ids), and the queue's next enqueue, on a fresh connection, goes in whole
+    (issue #24).
+    """
+    import asyncpg
+
+    from nasiko_queue import open_database
+    from nasiko_queue.errors import is_connection_error
+
+    from .netproxy import Proxy
+
+    proxy = Proxy(dsn)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(proxy.run)
+            async with open_database(dsn) as direct, open_database(proxy.dsn()) as db:
+                queue = Queue(db, config=FAST, secrets=MASTER_KEY)
+                owner = uuid.uuid4()
+                agent = await insert_agent(direct, owner_id=owner)
+                build = await insert_agent_build(direct, agent)
+                payload = make_payload("Upload", target_id=agent, build_id=build,
+                                       owner_id=owner)
+                batch: list[Any] = [Note(n=1), payload, Note(n=2)]
+                proxy.cut_on(b"INSERT INTO nasiko_queue_jobs")
+                # The error that says what happened: the connection went, mid-batch
+                # (before the fix: "cannot call Transaction.__aexit__()" over it).
+                with pytest.raises(asyncpg.ConnectionDoesNotExistError) as lost:
+                    await queue.enqueue_many(batch)
+                assert is_connection_error(lost.value)
+                assert proxy.cut.is_set()
+                assert await direct.fetchval("SELECT count(*) FROM build_jobs") == 0
+                assert await direct.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+                ids = await queue.enqueue_many(batch)
+                assert await direct.fetchval("SELECT count(*) FROM build_jobs") == 1
+                assert await direct.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 2
+                assert len(set(ids)) == 3
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_statement_the_server_refuses_mid_batch_rolls_the_whole_batch_back(

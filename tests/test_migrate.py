@@ -29,7 +29,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
         assert await migrate(db) == [
             "0001", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
             "0011", "0012", "0013", "0014", "0015", "0016",
-            "0017", "0018", "0019"]
+            "0017", "0018", "0019", "0020", "0021"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
@@ -40,7 +40,9 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
             ("0010", "plain_jobs"), ("0011", "pending_kind_index"),
             ("0012", "paused_queues"), ("0013", "cancel_rule"), ("0014", "operator_state"),
             ("0015", "job_events"), ("0016", "listing_order_index"),
-            ("0017", "results"), ("0018", "workflows"), ("0019", "enqueue_function")]
+            ("0017", "results"), ("0018", "workflows"), ("0019", "enqueue_function"),
+            ("0020", "limits"),
+            ("0021", "workflow_run_views")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "

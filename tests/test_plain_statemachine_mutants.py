@@ -9,6 +9,7 @@ a real database is most of a hunt's time).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -16,11 +17,13 @@ from hypothesis import Phase, settings
 
 import nasiko_queue.admin.jobs
 import nasiko_queue.builds.store
+import nasiko_queue.plain.schedules
 import nasiko_queue.plain.store
 import nasiko_queue.queue
-from nasiko_queue import QueueConfig
+from nasiko_queue import Queue, QueueConfig
 from nasiko_queue.engine.lane import Lane
 from nasiko_queue.engine.worker import Worker
+from nasiko_queue.errors import leaves
 from nasiko_queue.testing.mutants import plant_sql, swap
 from nasiko_queue.testing.plain_machine import PlainStateMachine, plain_profile
 from nasiko_queue.testing.runner import expect_failure
@@ -36,6 +39,9 @@ HUNT = settings(plain_profile(), phases=[Phase.explicit, Phase.generate],
 #: due order: the job due first wins, whatever its priority.
 ORDER = ("AND priority = priorities.priority", "AND priority >= priorities.priority")
 DUE = ("AND run_at <= now()", "")
+#: An explicit run_at ($7) read and dropped: the job is due after its delay.
+NO_RUN_AT = ("coalesce($7::timestamptz,",
+             "coalesce(CASE WHEN $7::timestamptz IS NULL THEN NULL::timestamptz END,")
 
 #: The cancel before issue #20: one statement of three parts sharing one snapshot.
 #: When a claim holds the row, the part that waits finds it running and changes
@@ -56,6 +62,17 @@ UNION ALL SELECT state FROM running
 UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
           WHERE id = $1 AND state NOT IN ('available', 'running')
 """
+
+async def _statements_one_by_one(self: Queue, statements: list[Any],
+                                 tx: Any) -> dict[int, Any]:
+    """`Queue._insert_statements` with each statement committed by itself (no tx)."""
+    holders: dict[int, Any] = {}
+    for statement in statements:
+        inserted = await self._insert(*statement[:3], tx)
+        holders.update(await nasiko_queue.queue._unique_holders(
+            statement, inserted, (tx or self.db).fetchval))
+    return holders
+
 
 MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # The claim takes the job due first, whatever its priority.
@@ -99,6 +116,23 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # cancel that waits for a claim is lost.
     "cancel_in_three_parts": lambda mp: plant_sql(mp, nasiko_queue.queue, plain_cancel=(
         "SELECT nasiko_queue_cancel($1)", THREE_PART_CANCEL)),
+    # -- issue #24: a mutant of each kind the machine's newer rules cover --
+    # `enqueue` drops an explicit run_at: the job is due after its delay (0), at once.
+    "insert_ignores_run_at": lambda mp: plant_sql(
+        mp, nasiko_queue.queue,
+        **dict.fromkeys(("plain_insert", "plain_insert_notify"), NO_RUN_AT)),
+    # The dead-letter retry keeps the cancel asked of the run that ended the job: the
+    # retried job's first crash ends it cancelled instead of retrying it.
+    "dead_letter_retry_keeps_the_cancel_request": lambda mp: plant_sql(
+        mp, nasiko_queue.admin.jobs, plain_requeue=("cancel_requested = false, ", "")),
+    # `enqueue_many` sends each kind's statement in a transaction of its own: a batch
+    # refused on its plain statement leaves the build job its first statement wrote.
+    "enqueue_many_in_separate_transactions": lambda mp: swap(
+        mp, Queue, "_insert_statements", _statements_one_by_one),
+    # A schedule's tick moves forward when it is behind the tick *or at it*: every
+    # scheduler of a round enqueues the tick again.
+    "schedule_advance_at_its_own_tick": lambda mp: plant_sql(
+        mp, nasiko_queue.plain.schedules, schedule_advance=("last_tick < $2", "last_tick <= $2")),
 }
 
 
@@ -167,3 +201,25 @@ async def test_the_plain_machine_finds_a_fence_that_does_not_stop_its_runs(
           f"{found.error!r}"[:400])
     assert any("state.drain_then_fence()" in step
                for steps in found.steps for step in steps), found.reports
+
+
+# -- the adaptive look-ahead (issue #25) ---------------------------------------------------
+
+
+def _auto_ttl_ignored(self: QueueConfig) -> float:
+    """An adaptive lane that holds what it claimed ahead for the fixed prefetch's
+    TTL (60 s): a short job waits out a long run claimed before it."""
+    return self.prefetch_ttl
+
+
+@pytest.mark.slow
+async def test_the_plain_machine_finds_a_look_ahead_that_ignores_its_ttl(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swap(monkeypatch, QueueConfig, "lane_ttl", _auto_ttl_ignored)
+    found = await expect_failure(dsn, PlainStateMachine, settings=HUNT)
+    print(f"\nmutant auto_ttl_ignored: found in example {found.examples}: "
+          f"{found.error!r}"[:400])
+    assert any("state.long_job_among_short_ones(" in step
+               for steps in found.steps for step in steps), found.reports
+    assert any("behind a long run" in str(leaf) for leaf in leaves(found.error)), found.error

@@ -9,18 +9,18 @@ when it has waited past `prefetch_ttl` (so an idle replica can take it).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import pytest
 import trio
 
-from nasiko_queue import Queue, Worker
+from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Worker
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.errors import ConfigurationError
 from nasiko_queue.testing import KINDS, Enqueued, enqueue_with_target
 
-from .helpers import TEST_DEADLINE, executors_for_all, job_row, succeed
+from .helpers import TEST_DEADLINE, executors_for_all, job_row, running, succeed
 
 
 class CountingBatches(PgJobStore):
@@ -138,6 +138,74 @@ async def test_graceful_stop_gives_back_prefetched_jobs_with_attempts_restored(
     assert (worker.stats.done, worker.stats.returned) == (1, 3)
 
 
+async def test_a_stop_asked_during_a_run_that_returns_at_once_gives_back_the_buffer(
+    queue: Queue,
+) -> None:
+    """
+    The stop comes while a run is in its slot, and the run returns without
+    another await (its report folded into the finish, issue #13): the slot must
+    not take the buffered jobs, which go back unstarted (docs/rules.md §8).
+    Found while steering issue #24's machine at stops with a full buffer: the
+    slot looked only at `closing`, which the lane sets a step later, and ran
+    the whole buffer after the stop.
+    """
+    stopped: list[bool] = []
+    worker: Worker
+
+    async def run(ctx: Any) -> None:
+        if not stopped:
+            stopped.append(True)
+            await worker.wait_for(lambda s: s.buffered == 3)
+            worker.stop()  # no await from here to the run's end
+        ctx.report_success()
+
+    jobs = [await enqueue_with_target(queue, "Upload") for _ in range(5)]
+    worker = Worker(_with(queue, prefetch=3), executors_for_all(run))
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+    assert (worker.stats.done, worker.stats.returned) == (1, 3)
+    assert await _rows(queue, jobs) == [("done", 1, True)] + [("pending", 0, False)] * 4
+
+
+async def test_a_stop_between_a_claim_and_its_start_runs_the_job_without_look_ahead(
+    queue: Queue,
+) -> None:
+    """
+    The build lane's default has no look-ahead (prefetch 0): it claims only for
+    its free slot, so what its buffer holds is the current drain step's claim.
+    A graceful stop asked after that claim and before the executor starts must
+    run the job, its attempt kept, and end it done (docs/rules.md §8: the
+    worker ends after the current drain step); only a lane with look-ahead gives back what
+    it claimed ahead. 4e84668 had made the slot give it back (attempt restored,
+    never run); 7f89e9b fixed it. The stop lands through the lane's test signal
+    `before_take`, called once the slot has found the job in its buffer and
+    just before it looks at the stop: no sleep, no race.
+    """
+    ran: list[tuple[int, bool]] = []
+    worker: Worker
+
+    async def run(ctx: Any) -> None:
+        ran.append((ctx.attempt, worker.state.stopping.is_set()))
+        await succeed(ctx)
+
+    def stop_now() -> None:
+        lane.before_take = None
+        worker.stop()
+
+    jobs = [await enqueue_with_target(queue, "Upload")]
+    worker = Worker(queue, executors_for_all(run))
+    lane = worker.lanes[0].state
+    assert (worker.lanes[0].name, lane.prefetch()) == ("builds", 0)
+    lane.before_take = stop_now
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+    assert ran == [(1, True)], "the job must start after the stop, and only once"
+    assert await _rows(queue, jobs) == [("done", 1, True)]
+    assert (worker.stats.done, worker.stats.returned) == (1, 0)
+
+
 async def test_hard_stop_gives_back_prefetched_jobs_and_releases_the_running_one(
     queue: Queue,
 ) -> None:
@@ -184,3 +252,192 @@ def test_prefetch_ttl_must_stay_well_under_the_stuck_threshold() -> None:
         QueueConfig(prefetch=4, stuck_job_mins=1)  # 60 s TTL vs a 60 s threshold
     QueueConfig(prefetch=4, stuck_job_mins=1, prefetch_ttl=20)
     QueueConfig(prefetch=0, stuck_job_mins=1)  # no buffer, nothing to check
+
+
+def test_the_auto_look_ahead_ttl_must_stay_well_under_the_stuck_threshold() -> None:
+    from nasiko_queue import QueueConfig
+
+    # Plain lanes are "auto" by default: their TTL is checked as well.
+    with pytest.raises(ConfigurationError, match="prefetch_auto_ttl"):
+        QueueConfig(stuck_job_mins=1, prefetch_auto_ttl=30)
+    with pytest.raises(ConfigurationError, match="prefetch_auto_ttl"):
+        QueueConfig(prefetch="auto", stuck_job_mins=1, prefetch_auto_ttl=30)
+    QueueConfig(prefetch=0, stuck_job_mins=1, prefetch_auto_ttl=30)  # never used
+    QueueConfig(prefetch=2, stuck_job_mins=1, prefetch_ttl=20, prefetch_auto_ttl=30)
+    for bad in ("always", -1, True, 2.5):
+        with pytest.raises(ConfigurationError, match="prefetch"):
+            QueueConfig(prefetch=bad)  # type: ignore[arg-type]
+
+
+def test_the_default_is_auto_for_plain_lanes_and_none_for_the_build_lane() -> None:
+    from nasiko_queue import QueueConfig
+
+    default = QueueConfig()
+    assert default.prefetch is None
+    assert (default.lane_prefetch(builds=True), default.lane_prefetch(builds=False)) == (
+        0, "auto")
+    for explicit in ("auto", 0, 3):
+        config = QueueConfig(prefetch=explicit)
+        assert config.lane_prefetch(builds=True) == config.lane_prefetch(builds=False) == \
+            explicit
+
+
+# -- the adaptive look-ahead (issue #25) ------------------------------------------------
+
+
+def test_the_look_ahead_follows_the_median_run_time() -> None:
+    """floor(wait * slots / t), capped at four per slot; none before a run, none
+    once t reaches the wait; one long run among short ones changes nothing."""
+    from nasiko_queue.engine.lookahead import WINDOW, LookAhead, sized
+
+    assert sized(0.01, 1, 0.05, 4) == 4  # 5, capped
+    assert sized(0.02, 1, 0.05, 4) == 2
+    assert sized(0.02, 10, 0.05, 40) == 25
+    assert sized(0.049, 1, 0.05, 4) == 1
+    assert sized(0.05, 10, 0.05, 40) == 0  # a job as long as the wait: nothing ahead
+    assert sized(3.0, 10, 0.05, 40) == 0
+    assert sized(0.0, 2, 0.05, 8) == 8
+    look = LookAhead(concurrency=1, wait=0.05)
+    assert (look.size, look.typical) == (0, None)
+    look.observe(0.02)
+    assert look.size == 2
+    look.observe(30.0)  # one long run: the median of two is 15 s
+    assert look.size == 0
+    for _ in range(3):
+        look.observe(0.02)
+    assert look.size == 2  # the short runs' median again
+    for _ in range(WINDOW):
+        look.observe(2.0)
+    assert (look.size, look.typical) == (0, 2.0)  # the lane's jobs turned long
+
+
+def _timed_worker(store: Any, durations: list[float],
+                  **config: Any) -> tuple[Worker, list[float]]:
+    """A worker on the fake store (trio's clock) whose n-th run takes durations[n]
+    seconds (the last one for every run after); and when each run started."""
+    from typing import cast
+
+    from nasiko_queue import Database, Executors, JobContext, QueueConfig, Upload
+
+    executors = Executors()
+    started: list[float] = []
+
+    @executors.register(Upload)
+    async def run(ctx: JobContext[Upload]) -> None:
+        started.append(trio.current_time())
+        await trio.sleep(durations[min(len(started), len(durations)) - 1])
+
+    queue = Queue(cast(Database, None), config=QueueConfig(**{"listen": False, **config}))
+    return Worker(queue, executors, store=store), started
+
+
+@pytest.mark.parametrize(("run", "claims_ahead"), [(0.01, 4), (0.02, 2), (2.0, 0)])
+async def test_auto_claims_ahead_what_its_run_times_say_on_trios_clock(
+    autojump_clock: trio.testing.MockClock, run: float, claims_ahead: int
+) -> None:
+    """One slot, "auto": the first claim takes one job (no run time yet); each
+    later one the free slot plus floor(50 ms / run), at most four. Jobs of two
+    seconds: never a job ahead of the slot."""
+    from .test_timers import FakeStore
+
+    store = FakeStore()
+    for _ in range(12):
+        store.add()
+    worker, _ = _timed_worker(store, [run], prefetch="auto")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await worker.wait_for(lambda s: s.done == 12)
+        nursery.cancel_scope.cancel()
+    assert store.limits[0] == 1
+    assert store.limits[1] == 1 + claims_ahead
+    assert store.most_outstanding == 1 + claims_ahead
+    assert store.unclaims == []
+
+
+async def test_the_build_lane_claims_nothing_ahead_by_default(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The default keeps the original's behaviour for build jobs, however short."""
+    from .test_timers import FakeStore
+
+    store = FakeStore()
+    for _ in range(6):
+        store.add()
+    worker, _ = _timed_worker(store, [0.001])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await worker.wait_for(lambda s: s.done == 6)
+        nursery.cancel_scope.cancel()
+    assert set(store.limits) == {1}
+    assert store.most_outstanding == 1
+
+
+async def test_a_job_claimed_ahead_of_a_run_that_turns_long_goes_back_at_the_auto_ttl(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Short runs, then one of 30 s: the jobs claimed ahead of it go back one
+    `prefetch_auto_ttl` (1 s) after their claim, not when it ends; the lane
+    claims nothing more until its slot runs dry, and then looks ahead again."""
+    from .test_timers import FakeStore
+
+    store = FakeStore()
+    for _ in range(10):
+        store.add()
+    worker, started = _timed_worker(store, [0.01, 0.01, 30.0, 0.01], prefetch="auto")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        await worker.wait_for(lambda s: s.done == 10)
+        nursery.cancel_scope.cancel()
+    # Claimed at 0.01 with the first finish: the second job, the long one and
+    # the three behind it, which went back at 1.01, long before the long run's
+    # end; at 0.02, with the second finish, one more, which went back at 1.02.
+    assert store.claims[:3] == pytest.approx([0.0, 0.01, 0.02])
+    assert store.limits[:3] == [1, 5, 1]
+    assert store.unclaims == pytest.approx([1.01, 1.02])
+    assert started[:3] == pytest.approx([0.0, 0.01, 0.02])
+    assert started[3] == pytest.approx(30.02)
+    assert worker.stats.returned == 4
+
+
+@attrs.frozen(kw_only=True)
+class Ping(JobArgs):
+    kind: ClassVar[str] = "prefetch_ping"
+    options: ClassVar[JobOptions] = JobOptions(queue="pings")
+    n: int
+
+
+@pytest.mark.parametrize(("wait", "ahead"), [(3600.0, 4), (1e-6, 0)])
+async def test_a_plain_lane_claims_ahead_by_default_as_its_run_times_say(
+    queue: Queue, wait: float, ahead: int
+) -> None:
+    """
+    A queue of plain jobs with the default `prefetch`, one slot: once a run has
+    been timed, the statement that records its finish claims the slot's next
+    job and `ahead` more (in the database: running, attempt counted), as many
+    as `prefetch_auto_wait` allows: with an hour, four (the cap of one slot);
+    with a microsecond, which any run exceeds, none.
+    """
+    second = trio.Event()
+    release = trio.Event()
+    executors = Executors()
+
+    @executors.register(Ping)
+    async def run(ctx: PlainJobContext[Ping]) -> None:
+        if ctx.payload.n == 1:
+            second.set()
+            await release.wait()
+
+    ids = [await queue.enqueue(Ping(n=n)) for n in range(8)]
+    config = attrs.evolve(queue.config, prefetch_auto_wait=wait)
+    async with running(Queue(queue.db, config=config), executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await second.wait()
+            await worker.wait_for(lambda s: s.done >= 1)  # its statement claimed too
+            states = [await queue.db.fetchval(
+                "SELECT state FROM nasiko_queue_jobs WHERE id = $1", job_id) for job_id in ids]
+            assert states == ["completed"] + ["running"] * (1 + ahead) + ["available"] * (
+                6 - ahead)
+            assert worker.stats.buffered == ahead
+            release.set()
+            await worker.wait_for(lambda s: s.done == 8)
+    assert worker.stats.returned == 0

@@ -7,6 +7,7 @@ import attrs
 from nasiko_queue.testing.machine import (
     HARNESS_CONFIG,
     QueueStateMachine,
+    SteeredQueueStateMachine,
     run_queue_state_machine,
 )
 
@@ -35,3 +36,9 @@ class PrefetchMachine(QueueStateMachine):
 
 async def test_engine_matches_the_model_with_prefetch(dsn: str) -> None:
     await run_queue_state_machine(dsn, PrefetchMachine)
+
+
+async def test_engine_matches_the_model_in_steered_cases(dsn: str) -> None:
+    """Issue #24's cases: a target's job failing for good beside a sibling that
+    succeeded, executors that write their build row and report through ctx."""
+    await run_queue_state_machine(dsn, SteeredQueueStateMachine)

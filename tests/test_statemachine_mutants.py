@@ -13,15 +13,22 @@ from typing import Any, NamedTuple
 from uuid import UUID
 
 import pytest
+import trio
 from hypothesis import Phase, settings
 
 import nasiko_queue.builds.executor
 import nasiko_queue.builds.store
+import nasiko_queue.builds.terminalize
 from nasiko_queue import Database, Queue, Worker
 from nasiko_queue.builds.executor import JobExecutor
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.engine.contracts import ClaimedJob, RecoveryResult
-from nasiko_queue.testing.machine import QueueStateMachine, profile, run_queue_state_machine
+from nasiko_queue.testing.machine import (
+    QueueStateMachine,
+    SteeredQueueStateMachine,
+    profile,
+    run_queue_state_machine,
+)
 from nasiko_queue.testing.model import Outcome
 from nasiko_queue.testing.mutants import plant_sql, swap
 from nasiko_queue.testing.runner import expect_failure
@@ -278,14 +285,29 @@ class BlockingWakeQueue(Queue):
         return job_id
 
 
+#: Seconds an enqueue of the blocking-wake machine may take: the wake blocks an
+#: enqueue forever, and every shrink step that meets it waits this long.
+ENQUEUE_TIMEOUT = 1.0
+
+
 class _BlockingWake(QueueStateMachine):
     def make_queue(self, db: Database) -> Queue:
         return BlockingWakeQueue(db, config=self.config, secrets=self.env.secrets)
 
+    async def _enqueue(self, *args: Any, **kwargs: Any) -> None:
+        """
+        Bounded tightly, where the planted wake blocks; the other rules keep the
+        default rule timeout. A 1 s bound on every rule would make a drain slowed
+        by CPU load a false hang, which the hunt would then shrink instead of the
+        planted bug.
+        """
+        with trio.fail_after(ENQUEUE_TIMEOUT):
+            await super()._enqueue(*args, **kwargs)
+
 
 @pytest.mark.slow
 async def test_finds_a_wake_that_blocks(dsn: str) -> None:
-    notes = await _expect_failure(dsn, _BlockingWake, rule_timeout=1.0)
+    notes = await _expect_failure(dsn, _BlockingWake)
     assert "state.enqueue_burst()" in notes
 
 
@@ -354,3 +376,46 @@ async def test_finds_a_folded_report_written_for_the_wrong_build(
         "    WHERE b.id = r.build_id AND NOT r.is_connector "
         "AND b.status IN ('pending', 'building')")
     await _expect_failure(dsn, _ConnectorsOnly, shrink=False)
+
+
+# -- issue #24: a mutant for each kind of case the build machines steer at ----------
+
+
+@pytest.mark.slow
+async def test_finds_a_terminalization_that_fails_a_running_agent(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The original's terminalization: every agent with a successful build becomes
+    'failed', also one running on a sibling job's build (docs/rules.md §6 keeps it)."""
+    plant_sql(monkeypatch, nasiko_queue.builds.terminalize, agent_mark_failed=(
+        "WHERE id = $1 AND status = 'deploying'", "WHERE id = $1"))
+    notes = await _expect_failure(dsn, SteeredQueueStateMachine, shrink=False)
+    assert "state.target_with_several_jobs(" in notes, notes
+
+
+@pytest.mark.slow
+async def test_finds_a_folded_report_that_overrides_a_settled_build_row(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finish takes what the executor reported through its context even when it
+    had already written its build row 'success' or 'failed' (which stays): the job
+    ends as the report says, its build row says the other."""
+    _in_both_finishes(monkeypatch,
+                      "THEN (SELECT CASE WHEN l.status IN ('success', 'failed') THEN l.status",
+                      "THEN (SELECT CASE WHEN false THEN l.status")
+    notes = await _expect_failure(dsn, SteeredQueueStateMachine, shrink=False)
+    assert "state.enqueue_both_ways(" in notes, notes
+
+
+@pytest.mark.slow
+async def test_finds_a_give_back_that_keeps_the_attempt(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job claimed ahead and given back at a stop keeps the attempt its claim
+    counted: it never ran, yet it has one run fewer left (and a job given back
+    often enough fails unrun). The steered machine stops a worker whose buffer
+    holds prefetched jobs in every example that draws that step."""
+    plant_sql(monkeypatch, nasiko_queue.builds.store, jobs_unclaim=(
+        "attempt = j.attempt - 1", "attempt = j.attempt"))
+    notes = await _expect_failure(dsn, SteeredQueueStateMachine, shrink=False)
+    assert "state.stop_with_a_full_buffer(" in notes, notes

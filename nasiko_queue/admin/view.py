@@ -68,6 +68,8 @@ class JobView:
     priority: int | None = None
     #: What its executor returned (issue #22), sealed tokens masked; None: none.
     result: Any = None
+    #: A workflow step's job: its run (issue #22); None for any other job.
+    workflow_run: UUID | None = None
 
     @property
     def attempted_at(self) -> datetime | None:
@@ -91,6 +93,7 @@ class JobView:
             view["id"] = plain_json(self.id)
             view["payload"] = self.payload
             view["result"] = self.result
+            view["workflow_run"] = plain_json(self.workflow_run)
         else:
             view = {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(JobView)
                     if f.name != "errors"}
@@ -135,11 +138,20 @@ BUILD_STATES = {"pending": "available", "in_progress": "running", "done": "compl
                 "failed": "discarded"}
 
 
-def _masked(text: str | None) -> Any:
+def masked_json(text: str | None) -> Any:
+    """
+    Stored JSON text as an operator may see it: parsed, secret fields and sealed
+    tokens masked (`mask_payload`); None for None or text that does not parse.
+    What a job's payload and result go through, and a workflow run's input,
+    result and step results (`admin.runs`).
+    """
     try:
         return mask_payload(json.loads(text)) if text is not None else None
     except (ValueError, RecursionError):
         return None
+
+
+_masked = masked_json
 
 
 async def job_view(db: Database, job_id: UUID) -> JobView | None:
@@ -168,7 +180,7 @@ async def job_view(db: Database, job_id: UUID) -> JobView | None:
             payload=_masked(row["payload"]), errors=tuple(await job_errors(db, job_id)),
             source="plain", queue=row["queue"], state=row["state"],
             max_attempts=row["max_attempts"], run_at=row["run_at"], priority=row["priority"],
-            result=_masked(row["result"]))
+            result=_masked(row["result"]), workflow_run=row["workflow_run"])
     row = await db.fetchrow(Q.deleted_build_job_get, job_id)
     if row is not None:
         return JobView(

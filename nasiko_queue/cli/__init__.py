@@ -14,16 +14,17 @@ per try and waits for it (docs/rules.md §5), as it does for an outage once runn
 
 The commands live by group, each module registering its own on `main`:
 `common` (the `main` group, the operator's errors, the shared options),
-`worker`, `jobs` (`job`, `jobs list|retry|cancel|discard`, `enqueue`), `web` (`dashboard`),
-`operations` (`migrate`, `status`, `prune`, `keygen`) and `tools` (`demo`,
-`bench`).
+`worker`, `jobs` (`job`, `jobs list|retry|cancel|discard`, `enqueue`), `runs` (`run`,
+`runs list|cancel|retry`: workflow runs), `web` (`dashboard`),
+`operations` (`migrate`, `status`, `prune`, `keygen`), `limits` (`limits`,
+`limit set|clear`) and `tools` (`demo`, `bench`).
 """
 
 from __future__ import annotations
 
-from . import jobs, operations, tools, web, worker
+from . import jobs, limits, operations, runs, tools, web, worker
 from .common import main
 from .worker import load_executors, load_schedules, parse_queues
 
-__all__ = ["jobs", "load_executors", "load_schedules", "main", "operations", "parse_queues",
-           "tools", "web", "worker"]
+__all__ = ["jobs", "limits", "load_executors", "load_schedules", "main", "operations",
+           "parse_queues", "runs", "tools", "web", "worker"]

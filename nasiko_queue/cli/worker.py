@@ -18,7 +18,7 @@ import click
 import trio
 
 from ..builds.payloads import McpServerUpload
-from ..config import QueueConfig
+from ..config import Prefetch, QueueConfig
 from ..db.database import Database, open_database
 from ..db.migrate import load_migrations
 from ..db.statements import Q
@@ -214,6 +214,22 @@ allowed_host_option = click.option(
          "(421): DNS rebinding.")
 
 
+def _parse_prefetch(_ctx: click.Context, _param: click.Parameter,
+                    value: str | None) -> Prefetch | None:
+    """--prefetch: 'auto', a number of jobs >= 0, or unset (the default)."""
+    if value is None:
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise click.BadParameter(f"'auto' or an integer >= 0, not {value!r}")
+    return number
+
+
 def _parse_http(_ctx: click.Context, _param: click.Parameter,
                 value: str | None) -> tuple[str, int] | None:
     """`--http HOST:PORT`: where to serve health and metrics; needs the [http] extra."""
@@ -249,9 +265,12 @@ def _parse_http(_ctx: click.Context, _param: click.Parameter,
               envvar="NASIKO_QUEUE_BUILDS", show_envvar=True,
               help="Whether this process runs build jobs (when build executors are "
                    "registered).")
-@click.option("--prefetch", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Jobs claimed ahead of the free slots, for throughput on short jobs. "
-                   "A stop gives unstarted ones back with their attempt restored.")
+@click.option("--prefetch", metavar="auto|N", default=None, callback=_parse_prefetch,
+              help="Jobs each lane claims ahead of its free slots, for throughput on short "
+                   "jobs: 'auto' (as many as its recent run times say will start within "
+                   "50 ms; given back after 1 s unstarted) or a number (given back after "
+                   "60 s). Default: 'auto' for queues of plain jobs, 0 for build jobs. A "
+                   "stop gives unstarted ones back with their attempt restored.")
 @click.option("--poll-interval", type=click.FloatRange(min=0, min_open=True),
               default=QueueConfig().poll_interval, show_default=True,
               help="Seconds of quiet before looking for jobs again.")
@@ -313,7 +332,7 @@ def worker_command(
     concurrency: int,
     queues_spec: str | None,
     builds: bool,
-    prefetch: int,
+    prefetch: Prefetch | None,
     poll_interval: float,
     stuck_job_mins: int,
     recovery_interval: float,

@@ -358,7 +358,8 @@ SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
 -- Start a state-machine example from an empty queue.
 TRUNCATE build_jobs, agent_builds, agents, mcp_connector_builds, mcp_connectors,
          nasiko_queue_workers, nasiko_queue_leaders, nasiko_queue_jobs,
-         nasiko_queue_deleted_build_jobs, nasiko_queue_job_errors, nasiko_queue_schedules;
+         nasiko_queue_deleted_build_jobs, nasiko_queue_job_errors, nasiko_queue_schedules,
+         nasiko_queue_limits, nasiko_queue_limit_starts, nasiko_queue_limit_turns;
 
 -- name: testing_worker_expire
 -- A worker ($1) stops heartbeating for a minute (longer than any test lease): its
@@ -981,10 +982,19 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted;
 -- and 9 ms per claim). The nested loop takes the priorities in order and stops
 -- at $2 jobs, so no row beyond those it returns is locked; LIMIT $2 in each
 -- priority keeps the plan an ordered index scan.
+--
+-- A LIMITED queue (a row in nasiko_queue_limits, migration 0020: one more
+-- primary-key probe for every queue) is claimed by nasiko_queue_limited_pick
+-- instead, which serialises the queue's claims across replicas and takes no
+-- more than its concurrency and rate limits allow; $6: the running jobs the
+-- same statement completes (they free their slots). The scalar subquery makes
+-- its answer an init plan, computed once, so the id lookup stays an index scan.
 UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
     claim_token = $3, claimed_by = $4
-WHERE j.id = ANY (ARRAY(
+WHERE j.id = ANY (CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
+                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[]))
+                       ELSE ARRAY(
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM nasiko_queue_jobs
          WHERE state = 'available' AND queue = $1
@@ -1004,7 +1014,7 @@ WHERE j.id = ANY (ARRAY(
         LIMIT $2
         FOR UPDATE SKIP LOCKED) AS due
     WHERE NOT EXISTS (SELECT 1 FROM nasiko_queue_paused_queues WHERE queue = $1)
-    LIMIT $2))
+    LIMIT $2) END)
 RETURNING j.id, j.kind,
           CASE WHEN octet_length(j.payload::text) <= $5 THEN j.payload::text END AS payload,
           j.attempt - 1 AS old_attempt, j.max_attempts, j.priority, j.run_at AS created_at;
@@ -1013,14 +1023,16 @@ RETURNING j.id, j.kind,
 -- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
 -- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
 -- worker, $7 payload bound), in one round trip; a paused queue claims nothing,
--- but its finishes still complete. $8: what each executor returned (JSON text;
+-- but its finishes still complete. $9: what each executor returned (JSON text;
 -- NULL: nothing), written as its result with the completion (migration 0017;
 -- the trigger there wakes whoever waits for it). Rows with finished_id report a
 -- finish ('completed', or NULL when no longer ours); rows with id are claims.
+-- $8: the ids of $1 again (`plain_claim`'s $6: a limited queue's claim counts
+-- them as ended); $9 what each executor returned.
 WITH finished AS (
     UPDATE nasiko_queue_jobs AS j
     SET state = 'completed', finished_at = now(), error_msg = NULL, result = i.result::jsonb
-    FROM unnest($1::uuid[], $2::int[], $8::text[]) AS i(id, attempt, result)
+    FROM unnest($1::uuid[], $2::int[], $9::text[]) AS i(id, attempt, result)
     -- By primary key: a state test an index of running jobs matches would read
     -- every running job of every worker (as in jobs_finish_many_and_claim).
     WHERE j.id = ANY ($1::uuid[]) AND j.id = i.id AND coalesce(j.state, '') = 'running'
@@ -1028,7 +1040,7 @@ WITH finished AS (
     RETURNING j.id, j.state
 ), claimed AS (
     -- The loader (`statements.py`) writes in `plain_claim`, so that the claim is spelled once.
-    -- include plain_claim, its $1-$5 as $3-$7
+    -- include plain_claim, its $1-$6 as $3-$8
 )
 SELECT i.id AS finished_id,
        coalesce(f.state, (SELECT c.state FROM nasiko_queue_jobs AS c
@@ -1106,10 +1118,16 @@ WITH given AS (
 SELECT count(*) FROM given;
 
 -- name: plain_next_due
--- Seconds until the next scheduled job of queue $1 is due (NULL: none).
-SELECT extract(epoch FROM min(run_at) - now())::double precision
-FROM nasiko_queue_jobs
-WHERE state = 'available' AND queue = $1 AND run_at > now();
+-- Seconds until the next scheduled job of queue $1 is due (NULL: none); for a
+-- limited queue (migration 0020), sooner if its limits hold back a due job:
+-- until its rate window lets one start, or $2 seconds while its concurrency
+-- is full (`nasiko_queue_limit_wait`). Unlimited queues: one primary-key probe.
+SELECT least(
+    (SELECT extract(epoch FROM min(run_at) - now())::double precision
+     FROM nasiko_queue_jobs
+     WHERE state = 'available' AND queue = $1 AND run_at > now()),
+    CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
+         THEN nasiko_queue_limit_wait($1, $2::double precision) END);
 
 -- name: plain_cancel
 -- Cancel job $1 (the rule is nasiko_queue_cancel, migration 0013: a locked read,
@@ -1210,7 +1228,7 @@ WHERE id = ANY (ARRAY(
 -- One plain job, for tools and tests.
 SELECT id, queue, kind, payload::text AS payload, state, priority, attempt, max_attempts,
        run_at, created_at, attempted_at, finished_at, claimed_by, cancel_requested,
-       error_msg, unique_key, result::text AS result
+       error_msg, unique_key, result::text AS result, workflow_run
 FROM nasiko_queue_jobs WHERE id = $1;
 
 -- ============================================================================
@@ -1897,3 +1915,96 @@ WHERE r.state = 'running'
       WHERE s.run_id = r.id
         AND (s.state = 'waiting'
              OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))));
+
+-- ============================================================================
+-- Run views (issue #22, "see and steer runs"; nasiko_queue.admin.runs).
+
+-- name: workflow_runs_list
+-- One page of runs, newest started first: $1 workflow, $2 state, each NULL for
+-- any; $3, $4 the (created_at, id) of the last run of the previous page (NULL:
+-- the first page); $5 the page size. Each run with how many of its steps there
+-- are and how many completed (a mapped step counts once, by its head row).
+-- Read in the order of the index of migration 0021 (a row comparison with no
+-- OR), stopping after a page of matches.
+SELECT r.id, r.workflow, r.state, r.failed_step, r.error, r.parent_run, r.parent_step,
+       r.created_at, r.finished_at, c.steps, c.completed
+FROM nasiko_queue_workflow_runs AS r
+CROSS JOIN LATERAL (
+    SELECT count(*)::int AS steps,
+           (count(*) FILTER (WHERE h.state = 'completed'))::int AS completed
+    FROM (SELECT DISTINCT ON (s.step) s.state FROM nasiko_queue_workflow_steps AS s
+          WHERE s.run_id = r.id ORDER BY s.step, s.idx) AS h
+) AS c
+WHERE ($1::text IS NULL OR r.workflow = $1) AND ($2::text IS NULL OR r.state = $2)
+  AND (r.created_at, r.id)
+      < (coalesce($3::timestamptz, 'infinity'),
+         coalesce($4::uuid, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+ORDER BY r.created_at DESC, r.id DESC
+LIMIT $5;
+
+-- name: workflow_show
+-- Run $1 for its view: its row, and its steps' definitions (JSON text) for
+-- their kinds and dependencies.
+SELECT id, workflow, state, input::text AS input, result::text AS result, failed_step, error,
+       unique_key, parent_run, parent_step, created_at, finished_at,
+       (definition -> 'steps')::text AS steps
+FROM nasiko_queue_workflow_runs WHERE id = $1;
+
+-- name: workflow_run_jobs
+-- Every step job run $1 ever had (a run's retry gives a step a new job; the
+-- old one stays), by step, item and age. The signal timers are not step jobs.
+SELECT id, payload ->> 'step' AS step, coalesce((payload ->> 'idx')::int, 0) AS idx, queue,
+       state, attempt, max_attempts, error_msg, created_at, run_at, attempted_at,
+       finished_at, claimed_by, result::text AS result
+FROM nasiko_queue_jobs
+WHERE workflow_run = $1
+ORDER BY created_at, id;
+
+-- name: job_errors_of_many
+-- Every kept error of the jobs $1 (an array of ids), oldest first.
+SELECT job_id, attempt, at, worker_id, reason, error_type, message, traceback
+FROM nasiko_queue_job_errors
+WHERE job_id = ANY ($1::uuid[])
+ORDER BY at, id;
+
+-- name: metrics_workflow_runs
+-- `/metrics`: runs by workflow and state. Exact: a scan of the runs (about
+-- 150 ms for 200,000 runs on 2 busy cores; benchmarks/run_views_scale.py).
+SELECT workflow, state, count(*) AS n
+FROM nasiko_queue_workflow_runs
+GROUP BY workflow, state;
+
+-- ============================================================================
+-- Limits across replicas (issue #23; Queue.set_limit, nasiko-queue limit).
+
+-- name: limit_set
+-- Limits of queue $1 (migration 0020): concurrency $2, rate $3 per $4 seconds,
+-- partition key $5 (a job arg), partition mode $6. Replaces the queue's row.
+INSERT INTO nasiko_queue_limits AS l
+    (queue, concurrency, rate_limit, rate_period, partition_by, partition_mode)
+VALUES ($1, $2, $3, make_interval(secs => $4::double precision), $5, $6)
+ON CONFLICT (queue) DO UPDATE
+SET concurrency = EXCLUDED.concurrency, rate_limit = EXCLUDED.rate_limit,
+    rate_period = EXCLUDED.rate_period, partition_by = EXCLUDED.partition_by,
+    partition_mode = EXCLUDED.partition_mode, updated_at = now();
+
+-- name: limit_clear
+-- Queue $1 unlimited again; returns its row when it had limits. Its starts
+-- ledger and its keys' turns go with it.
+WITH cleared AS (DELETE FROM nasiko_queue_limits WHERE queue = $1 RETURNING queue),
+     starts AS (DELETE FROM nasiko_queue_limit_starts WHERE queue = $1),
+     turns AS (DELETE FROM nasiko_queue_limit_turns WHERE queue = $1)
+SELECT queue FROM cleared;
+
+-- name: limits_list
+-- Every limited queue, its limits and what they hold now: running jobs, and
+-- starts in the current rate window.
+SELECT l.queue, l.concurrency, l.rate_limit,
+       extract(epoch FROM l.rate_period)::double precision AS rate_period,
+       l.partition_by, l.partition_mode, l.updated_at,
+       (SELECT count(*) FROM nasiko_queue_jobs AS j
+        WHERE j.queue = l.queue AND j.state = 'running') AS running,
+       (SELECT count(*) FROM nasiko_queue_limit_starts AS s
+        WHERE s.queue = l.queue AND s.started_at > now() - l.rate_period) AS window_starts
+FROM nasiko_queue_limits AS l
+ORDER BY l.queue;

@@ -188,6 +188,14 @@ class Queries:
     workflow_result: str
     workflow_result_wait_and_read: str
     workflow_stuck_runs: str
+    workflow_runs_list: str
+    workflow_show: str
+    workflow_run_jobs: str
+    job_errors_of_many: str
+    metrics_workflow_runs: str
+    limit_set: str
+    limit_clear: str
+    limits_list: str
 
 
 #: A statement written as another with a different claim: its first line names the

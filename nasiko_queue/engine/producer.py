@@ -13,8 +13,9 @@ work at the same time instead of taking turns. Claims never exceed the room:
 jobs a statement in flight may claim count as taken. With one slot, one
 statement at a time, so jobs start in the order claimed.
 
-It also gives back jobs that never started (on a stop, or past `prefetch_ttl`,
-so that an idle replica can take them: attempts restored), and resolves claims
+It also gives back jobs that never started (on a stop, or past the lane's TTL,
+`prefetch_ttl` or, for an adaptive lane, `prefetch_auto_ttl`, so that an idle
+slot or replica can take them: attempts restored), and resolves claims
 whose answer was lost (`JobStore.resolve_lost_claim`). On a stop it waits for
 the last slots, has their finishes recorded and gives back the buffer; on a
 hard stop it does so shielded, each statement bounded.
@@ -69,7 +70,7 @@ class Producer:
                 await self._wind_down()
 
     async def _produce(self, statements: trio.Nursery) -> None:
-        state, ttl = self.state, self.config.prefetch_ttl
+        state, ttl = self.state, self.state.prefetch_ttl
         in_flight = 1 if self.config.concurrency == 1 else STATEMENTS_IN_FLIGHT
         completer = self.completer
         while True:
@@ -228,13 +229,14 @@ class Producer:
     async def give_back(self, *, expired: bool) -> None:
         """
         Buffered jobs back to pending, attempts restored: on closing, all of
-        them; else those past `prefetch_ttl`, and prefetching pauses until a
-        slot runs dry, or we would claim the same jobs straight back.
+        them; else those past the lane's TTL (`LaneState.prefetch_ttl`), and
+        prefetching pauses until a slot runs dry, or we would claim the same
+        jobs straight back.
         """
         state = self.state
         if expired:
             # The same comparison as the loop's, so at least one job goes.
-            now, ttl = trio.current_time(), self.config.prefetch_ttl
+            now, ttl = trio.current_time(), state.prefetch_ttl
             jobs = [job for job, claimed_at in state.buffer if claimed_at + ttl <= now]
             state.buffer = collections.deque(
                 entry for entry in state.buffer if entry[1] + ttl > now)
@@ -243,7 +245,7 @@ class Producer:
             jobs = [job for job, _ in state.buffer]
             state.buffer.clear()
         state.stats.buffered -= len(jobs)
-        await self._give_back(jobs, "waited past prefetch_ttl" if expired else "stopping")
+        await self._give_back(jobs, "waited past its TTL" if expired else "stopping")
 
     async def _give_back(self, jobs: list[ClaimedJob], why: str) -> None:
         state = self.state

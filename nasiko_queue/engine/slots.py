@@ -98,6 +98,7 @@ class Slots(abc.ABC, Generic[S]):
                 state.stats.running += 1
                 state.running += 1
                 finish: Finish | None = None
+                took = trio.current_time()
                 try:
                     finish = await self.run_once(job)
                 except Exception:
@@ -113,6 +114,12 @@ class Slots(abc.ABC, Generic[S]):
                     # a hard stop cannot come between them and lose the outcome.
                     state.stats.running -= 1
                     state.running -= 1
+                    # The run is over: a cancel mark of its claim is stale (one
+                    # delivered as it crashed would else stop the job's next run
+                    # of the same attempt number, after a dead-letter retry).
+                    state.cancels.discard((job.id, job.attempt))
+                    if state.look_ahead is not None:  # "auto": its size follows
+                        state.look_ahead.observe(trio.current_time() - took)
                     if finish is not None:
                         self.completer.add(finish)
                     state.kick()
@@ -134,8 +141,15 @@ class Slots(abc.ABC, Generic[S]):
                 state.prefetch_paused = False
                 state.kick()
             await state.job_ready.park()
-        if state.closing:
-            return None  # a stop: what the buffer holds goes back, never starts
+        if state.before_take is not None:
+            state.before_take()
+        if state.closing or (state.stopping.is_set() and state.prefetch() > 0):
+            # A stop: what the buffer holds goes back, never starts. With look-ahead,
+            # a graceful one as soon as it is asked, not once the lane closes a step
+            # later: a run that returns without another await would else hand its
+            # slot the next buffered job (issue #24). Without look-ahead the buffer
+            # holds only the current drain step's claims, which run (SPEC §8).
+            return None
         job, _claimed_at = state.buffer.popleft()
         state.stats.buffered -= 1
         return job

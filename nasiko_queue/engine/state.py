@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+from collections.abc import Callable
 from uuid import UUID
 
 import attrs
@@ -24,6 +25,7 @@ import trio
 
 from ..config import QueueConfig
 from .contracts import BuildReport, ClaimedJob, JobResult, LostClaim, Starting
+from .lookahead import LookAhead
 
 #: Statements the producer keeps in flight at once with several slots.
 STATEMENTS_IN_FLIGHT = 2
@@ -292,9 +294,23 @@ class LaneState:
     #: A wake the drain loop has yet to answer (it came between the end of a
     #: drain and the loop's next wait): the loop drains again at once.
     woken: bool = False
+    #: The adaptive look-ahead, fed by the slots, when `config.prefetch` is
+    #: "auto" (the lane's config has it resolved: `QueueConfig.lane_prefetch`).
+    look_ahead: LookAhead | None = attrs.field(init=False, default=None)
+    #: Seconds a prefetched job may wait in the buffer (`QueueConfig.lane_ttl`).
+    prefetch_ttl: float = attrs.field(init=False, default=0.0)
+    #: A test signal: called by a slot that has found a job in the buffer, just
+    #: before it looks at a stop to decide whether the job starts. A test sets it
+    #: to land a stop in that moment (a SIGTERM between a claim and its start)
+    #: without sleeping; None otherwise.
+    before_take: Callable[[], None] | None = None
 
     def __attrs_post_init__(self) -> None:
         self.drain_ended.set()
+        if self.config.prefetch == "auto":
+            self.look_ahead = LookAhead(self.config.concurrency,
+                                        self.config.prefetch_auto_wait)
+        self.prefetch_ttl = self.config.lane_ttl()
 
     # -- what the lanes share ------------------------------------------------------
 
@@ -382,13 +398,21 @@ class LaneState:
 
     # -- room ------------------------------------------------------------------
 
+    def prefetch(self) -> int:
+        """Jobs to claim ahead of the free slots now: the fixed number, or what
+        the look-ahead says."""
+        if self.look_ahead is not None:
+            return self.look_ahead.size
+        prefetch = self.config.prefetch
+        return prefetch if type(prefetch) is int else 0
+
     def room(self) -> int:
         """How many jobs the next claim may take: free slots plus free buffer places."""
         if self.closing or self.worker.stopping.is_set() or self.worker.fenced:
             return 0
         capacity = self.config.concurrency
         if not self.prefetch_paused:
-            capacity += self.config.prefetch
+            capacity += self.prefetch()
         return max(0, capacity - len(self.buffer) - self.running - self.reserved)
 
     def claim_size(self) -> int:
@@ -396,7 +420,7 @@ class LaneState:
         half the capacity, so that two statements in flight stagger the slots."""
         if self.config.concurrency == 1:
             return self.room()
-        capacity = self.config.concurrency + self.config.prefetch
+        capacity = self.config.concurrency + self.prefetch()
         return min(self.room(), -(-capacity // STATEMENTS_IN_FLIGHT))
 
     def oldest_claim(self) -> float:

@@ -50,7 +50,8 @@ back too. After the fence no job starts until the worker is registered anew.
 A drain claims jobs until a claim comes back short, never more at once than a
 lane's slots and prefetch buffer have room for (for the build lane
 `QueueConfig.concurrency`, 1 as in the original, plus `QueueConfig.prefetch`, 0
-as in the original; for a queue, its own concurrency from `QueueConfig.queues`).
+as in the original; for a queue, its own concurrency from `QueueConfig.queues`,
+plus its look-ahead, adaptive by default: `engine.lookahead`).
 
 Stopping: `stop()` (or closing every send side of the wake channel) lets the
 running executors finish, records their outcomes, gives back what the buffer
@@ -154,11 +155,13 @@ class Worker:
         #: per queue of plain jobs.
         self.lanes: list[Lane] = []
         if executors.kinds and self.config.builds:
-            self.lanes.append(self._lane("builds", LaneState(self.config, self.state),
+            builds = attrs.evolve(self.config, prefetch=self.config.lane_prefetch(builds=True))
+            self.lanes.append(self._lane("builds", LaneState(builds, self.state),
                                          self._store, JobExecutor))
         for name, concurrency in self._queues():
-            lane_state = LaneState(attrs.evolve(self.config, concurrency=concurrency),
-                                   self.state)
+            lane_state = LaneState(attrs.evolve(
+                self.config, concurrency=concurrency,
+                prefetch=self.config.lane_prefetch(builds=False)), self.state)
             plain = PlainJobStore(queue.db, self.config, name, self._worker_id)
             self.lanes.append(self._lane(name, lane_state, plain, PlainJobExecutor))
         if not self.lanes:

@@ -32,6 +32,7 @@ from ..engine.contracts import (
     Starting,
 )
 from ..job_errors import JobError, storable
+from .limits import LIMIT_RECHECK
 
 log = logging.getLogger("nasiko_queue.jobs")
 
@@ -73,7 +74,7 @@ class PlainJobStore:
         """Claim up to `limit` due jobs of the queue, by priority then due time."""
         token = uuid.uuid4()
         args = (self.queue, limit, token, self._worker_id(),
-                self._config.max_payload_bytes)
+                self._config.max_payload_bytes, list[UUID]())
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
         jobs = [_claimed(row, self.queue) for row in rows]
@@ -90,9 +91,10 @@ class PlainJobStore:
         returned (`JobResult`) is written as the job's result.
         """
         token = uuid.uuid4()
-        args = ([j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing],
+        ids = [j.id for j, _, _ in finishing]
+        args = (ids, [j.attempt for j, _, _ in finishing],
                 self.queue, limit, token, self._worker_id(),
-                self._config.max_payload_bytes,
+                self._config.max_payload_bytes, ids,
                 [r.json if isinstance(r, JobResult) else None for _, _, r in finishing])
         rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
                                     claims=limit > 0, bound=self._bound)
@@ -177,9 +179,13 @@ class PlainJobStore:
             bound=self._bound)
 
     async def next_due(self) -> float | None:
-        """Seconds until the queue's next scheduled job is due; None: none is."""
+        """Seconds until the queue's next scheduled job is due; None: none is. For
+        a limited queue, sooner when its limits hold back a due job (until its
+        rate window allows a start, or `LIMIT_RECHECK` while its concurrency is
+        full): the lane's drain loop wakes then, not at its next poll."""
         value = await self._db.run_bounded(
-            lambda conn: conn.fetchval(Q.plain_next_due, self.queue, timeout=self._bound),
+            lambda conn: conn.fetchval(Q.plain_next_due, self.queue, LIMIT_RECHECK,
+                                       timeout=self._bound),
             bound=self._bound, generic=True)
         return None if value is None else max(0.0, float(value))
 

@@ -10,6 +10,10 @@ Testing support: helpers that play the application's part, and a model of docs/r
 * `nasiko_queue.testing.plain_model` and `nasiko_queue.testing.plain_machine`:
   the same for plain jobs (`PlainModel`: states, attempts, priority and run_at
   order, backoff, unique keys, cancel, the rescue; and its state machine).
+* `nasiko_queue.testing.limits_machine`: limits across replicas (issue #23):
+  each claim of a limited queue takes exactly what its concurrency, rate and
+  serial keys admit, through retries, dead letters, cancels, give-backs and the
+  rescue of a dead worker's jobs (`run_limits_state_machine`).
 * `nasiko_queue.testing.runner`: what both machines share (binding to a database
   and the test's trio loop, the settings profiles, `expect_failure` for a run that
   must fail); `nasiko_queue.testing.mutants`: planting a bug for such a run

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 from uuid import UUID
 
+import attrs
 import trio
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -118,6 +119,9 @@ class ScriptedWorld:
         self.plans: dict[UUID, tuple[Outcome, ...]] = {}
         #: Jobs whose executor reports through `ctx` instead of writing the row.
         self.via_ctx: set[UUID] = set()
+        #: Jobs whose executor writes the row *and* then reports the other
+        #: outcome through `ctx` (`report_both_ways`).
+        self.both_ways: set[UUID] = set()
         self.runs: Counter[UUID] = Counter()
         self.hung = trio.Event()
         #: Set by the machine for one drain: ask for a graceful stop during run n.
@@ -182,6 +186,24 @@ class ScriptedWorld:
             await ScriptedWorld._set_target(ctx, target_status)
 
     @staticmethod
+    async def report_both_ways(ctx: JobContext[Any], build_status: str,
+                               target_status: str | None = None) -> None:
+        """
+        As `report`, then the other outcome through the context: a 'success'
+        written and `ctx.report_failure()`, a 'failed' written and
+        `ctx.report_success()`. The folded report meets a row already settled,
+        which stays as written and decides the job (docs/rules.md §5 step 4), so
+        the rows are those `report` leaves.
+        """
+        await ScriptedWorld.report(ctx, build_status, target_status)
+        if build_status == "success":
+            ctx.report_failure()
+        elif build_status == "failed":
+            ctx.report_success()
+        else:
+            ctx.mark_building()
+
+    @staticmethod
     async def _set_target(ctx: JobContext[Any], status: str) -> None:
         if ctx.target.connector_id is not None:
             url = "http://mcp.local/mcp" if status == "running" else None
@@ -198,7 +220,9 @@ def scripted_executors(
 
     async def run(ctx: JobContext[Any]) -> None:
         outcome = world.begin(ctx)
-        report = world.report_through_ctx if ctx.job_id in world.via_ctx else world.report
+        report = (world.report_through_ctx if ctx.job_id in world.via_ctx
+                  else world.report_both_ways if ctx.job_id in world.both_ways
+                  else world.report)
         if outcome is Outcome.SUCCEED:
             await report(ctx, "success", "running")
         elif outcome is Outcome.FAIL:
@@ -381,7 +405,7 @@ class QueueStateMachine(DatabaseMachine):
         self.drain(hard=True, stop_during_run=None)
 
     async def _enqueue(self, kind: str, prior_success: bool, plan: tuple[Outcome, ...],
-                       stored_attempt: int = 0) -> None:
+                       stored_attempt: int = 0, both_ways: bool = False) -> None:
         owner = uuid.uuid4()
         name = f"{kind.lower()}-{len(self.enqueued)}"
         connector = kind == "McpServerUpload"
@@ -396,7 +420,9 @@ class QueueStateMachine(DatabaseMachine):
                 await tx.execute(Q.job_set_attempt, job_id, stored_attempt)
         builds[build] = "pending" if connector else "queued"
         self.world.plans[job_id] = plan
-        if self.ctx_reports and len(self.enqueued) % 2 == 0:
+        if both_ways:
+            self.world.both_ways.add(job_id)
+        elif self.ctx_reports and len(self.enqueued) % 2 == 0:
             self.world.via_ctx.add(job_id)  # every other job: no draw, same examples
         self._add(job_id, payload.kind, True, target, build, builds, connector, plan)
         self.model.jobs[job_id].attempt = stored_attempt
@@ -833,6 +859,159 @@ class QueueStateMachine(DatabaseMachine):
             else:
                 assert status not in ("pending", "building"), (
                     f"job {job_id} failed for good but connector {target_id} is {status}")
+
+
+class SteeredQueueStateMachine(QueueStateMachine):
+    """
+    `QueueStateMachine` with steps steered at cases its own steps reach rarely or
+    never (issue #24): two jobs of one target, one failing for good beside a
+    sibling that succeeded; an executor that writes its build row and also
+    reports through its context; a graceful stop while a worker with look-ahead
+    holds prefetched jobs in its buffer. Subclass it instead of
+    `QueueStateMachine` to run your executors through these too.
+
+    A machine of its own, not rules added to `QueueStateMachine`: a derandomized
+    profile draws a machine's examples from its rules, and the mutant hunts of
+    tests/test_statemachine_mutants.py (and their shrinks, within a test's time)
+    were written against the base machine's.
+    """
+
+    @rule(kind=st.sampled_from(KINDS), plan=st.lists(
+        st.sampled_from((Outcome.FAIL, Outcome.SUCCEED, Outcome.RAISE)), min_size=1,
+        max_size=2))
+    def enqueue_both_ways(self, kind: str, plan: list[Outcome]) -> None:
+        """
+        A job whose executor writes its build row and then reports the other
+        outcome through its context (`ScriptedWorld.report_both_ways`, with the
+        built-in scripted executors): the folded report meets a row already
+        'success' or 'failed', which stays and decides the job.
+        """
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        self._call(self._enqueue, kind, False, self._playable(plan), 0, True)
+
+    @precondition(lambda self: self.config.concurrency == 1)
+    @rule(kind=st.sampled_from(KINDS), failing_first=st.booleans(),
+          prior_success=st.booleans(), panics=st.booleans())
+    def target_with_several_jobs(self, kind: str, failing_first: bool, prior_success: bool,
+                                 panics: bool) -> None:
+        """
+        Two jobs for one target, each with a build row of its own: one succeeds,
+        the other fails for good (its attempts used up by another writer, so the
+        cap fails it unrun; or, with `panics`, it crashes on every run), and a
+        worker drains both. Failing second, it meets a target its sibling left
+        `running`, which terminalization leaves as it is (docs/rules.md §6: only
+        a `deploying` agent, or a `pending` or `building` connector, becomes
+        `failed`); failing first, it meets the target still deploying. One
+        executor at a time, so that the two runs come in the order enqueued.
+        """
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        cap = self.config.build_max_attempts
+        failing = ((self._playable((Outcome.RAISE,) * cap), 0) if panics else ((), cap))
+        jobs = [((), 0), failing]
+        if failing_first:
+            jobs.reverse()
+        ids = self._call(self._enqueue_for_one_target, kind, prior_success, jobs)
+        # Drain until both have ended (a hang of an older job stops a drain short).
+        for _ in range(cap + 2):
+            if not any(self.model.jobs.get(j) is not None
+                       and self.model.jobs[j].status in ("pending", "in_progress")
+                       for j in ids):
+                break
+            self.drain(hard=False, stop_during_run=None)
+
+    async def _enqueue_for_one_target(
+        self, kind: str, prior_success: bool,
+        jobs: Sequence[tuple[tuple[Outcome, ...], int]],
+    ) -> list[UUID]:
+        """Jobs (plan, stored attempt) for one new target, each with its own build row."""
+        owner = uuid.uuid4()
+        name = f"{kind.lower()}-{len(self.enqueued)}"
+        connector = kind == "McpServerUpload"
+        added: list[tuple[UUID, str, UUID, tuple[Outcome, ...], int]] = []
+        async with self.queue.db.transaction() as tx:
+            target, builds = await self._insert_target(tx, owner, name, connector, prior_success)
+        for plan, stored_attempt in jobs:
+            # A transaction each: the claim's order is created_at, which is the
+            # transaction's start (two jobs of one transaction would tie).
+            async with self.queue.db.transaction() as tx:
+                build = (await insert_connector_build(tx, target, owner_id=owner) if connector
+                         else await insert_agent_build(tx, target))
+                payload = self.make_payload(kind, target_id=target, build_id=build,
+                                            owner_id=owner, name=name)
+                job_id = await self.queue.enqueue(payload, tx=tx, owner_id=owner)
+                if stored_attempt:
+                    await tx.execute(Q.job_set_attempt, job_id, stored_attempt)
+            builds[build] = "pending" if connector else "queued"
+            added.append((job_id, payload.kind, build, plan, stored_attempt))
+        for job_id, payload_kind, build, plan, stored_attempt in added:
+            self.world.plans[job_id] = plan
+            if target not in self.model.targets:
+                self._add(job_id, payload_kind, True, target, build, builds, connector, plan)
+            else:
+                self.model.add_job(job_id, kind=payload_kind, valid=True, target=target,
+                                   build_id=build, plan=plan)
+                self.enqueued.add(job_id)
+            self.model.jobs[job_id].attempt = stored_attempt
+        return [a[0] for a in added]
+
+    @precondition(lambda self: self.config.concurrency == 1)
+    @rule(kind=st.sampled_from(KINDS), look_ahead=st.integers(1, 3), behind=st.integers(1, 4),
+          running=st.sampled_from((Outcome.SUCCEED, Outcome.FAIL, Outcome.RAISE)))
+    def stop_with_a_full_buffer(self, kind: str, look_ahead: int, behind: int,
+                                running: Outcome) -> None:
+        """
+        A graceful stop while the buffer holds prefetched jobs, in every example
+        that draws this step (the base machine's drains reach one only when
+        enough jobs happen to be pending; issue #24).
+
+        Whatever the queue holds is drained first, so that the next claim takes
+        this step's jobs alone: one job, then `behind` more, each for a new
+        target. A worker with a look-ahead of `look_ahead` claims the first and
+        up to `look_ahead` of the others in one statement (one slot: one
+        statement at a time), and its executor asks for the stop as the run
+        begins (`ScriptedWorld.stop_during_run`), so the stop lands while the
+        buffer is full. The model decides: the running job ends as its run
+        says; every job behind it is pending with its attempt as before its
+        claim, whether it was claimed ahead and given back or never claimed.
+        """
+        if kind not in self.kinds:
+            kind = self.kinds[0]
+        self._drain_leftovers()
+        self._call(self._enqueue, kind, False, self._playable((running,)))
+        for i in range(behind):
+            self._call(self._enqueue, self.kinds[(self.kinds.index(kind) + 1 + i)
+                                                 % len(self.kinds)], False, ())
+        worker = self._look_ahead_worker(look_ahead)
+        self._call(self._drain, [worker], False, 1)
+        self.model.drain(stop_after_runs=1)
+        # The steering itself: the buffer held what was claimed ahead when the
+        # stop came, and gave it back (the invariant checks how). One more when
+        # the running job crashed and a claim sent during its run, with room
+        # left, took it again after its reset (it goes back unstarted too).
+        given = min(behind, look_ahead)
+        assert given <= worker.stats.returned <= given + (running is Outcome.RAISE), (
+            f"the stop gave back {worker.stats.returned} prefetched job(s), not {given}")
+
+    def _drain_leftovers(self) -> None:
+        """Drain until nothing is claimable and no claim is stuck (a hang stops
+        a drain short: drain again; every drain runs each job once at least)."""
+        def left() -> bool:
+            return bool(self.model.claimable()) or any(
+                self.model.stuck(j) for j in self.model.jobs.values())
+
+        for _ in range((self.config.build_max_attempts + 1) * len(self.model.jobs) + 1):
+            if not left():
+                return
+            self.drain(hard=False, stop_during_run=None)
+        assert not left(), "jobs still claimable after draining every attempt"
+
+    def _look_ahead_worker(self, look_ahead: int) -> Worker:
+        """A worker of the machine's executors that claims `look_ahead` jobs ahead."""
+        config = attrs.evolve(self.config, prefetch=look_ahead)
+        queue = Queue(self.queue.db, config=config, secrets=self.queue.secrets)
+        return Worker(queue, self.executors, store=self.make_store())
 
 
 def _diff(what: str, actual: dict[Any, Any], expected: dict[Any, Any]) -> str:

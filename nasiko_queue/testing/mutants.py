@@ -7,7 +7,8 @@ helper refuses a plant that would change nothing: the SQL fragment to replace
 must stand in its statement exactly as often as said (once, by default), the
 statement must be one the module sends, and a method or function must exist to
 be swapped. Plants go through a patcher (pytest's ``monkeypatch``), which undoes
-them after the test.
+them after the test; a function a migration installs is replaced in the test's
+own database (`plant_function`), with the same check.
 
 .. versionadded:: 0.2.0
 """
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..db.database import Database
 from ..db.statements import Queries
 
 #: A replacement in one statement: (old, new), or (old, new, n) where `old`
@@ -74,3 +76,33 @@ def swap(patch: Patcher, owner: type | ModuleType, name: str, replacement: Any) 
     if not callable(current):
         raise AssertionError(f"{owner.__name__}.{name} is no method or function to swap")
     patch.setattr(owner, name, replacement)
+
+
+#: The definition of the one function of that name (migrations install each once).
+FUNCTION_DEF = """
+SELECT pg_get_functiondef(p.oid) FROM pg_proc AS p
+JOIN pg_namespace AS n ON n.oid = p.pronamespace
+WHERE p.proname = $1 AND n.nspname = current_schema()
+"""
+
+
+async def plant_function(db: Database, function: str, *edits: Edit) -> None:
+    """
+    Replace the PL/pgSQL (or SQL) function `function` of `db` by a mutant: its
+    installed definition (as the server returns it) with each edit applied, each
+    of whose fragments must stand in it exactly as often as said (once, by
+    default). For the rules migrations install as functions (migration 0018's
+    transitions): the test's database is its own, so nothing needs undoing.
+    """
+    rows = await db.fetch(FUNCTION_DEF, function)
+    if len(rows) != 1:
+        raise AssertionError(f"{len(rows)} function(s) named {function}: update the mutant")
+    text: str = rows[0][0]
+    for edit in edits:
+        old, new, times = edit if len(edit) == 3 else (*edit, 1)
+        found = text.count(old)
+        if found != times:
+            raise AssertionError(f"{function} contains {old!r} {found} time(s), not {times}: "
+                                 "update the mutant")
+        text = text.replace(old, new)
+    await db.execute(text)

@@ -21,7 +21,10 @@ compares every row with the model and checks the invariants:
 * a crashed job's run_at lies in its backoff window (the machine's backoff
   is deterministic: `plain_model.backoff`);
 * at most one job per unique key among the jobs in that key's states;
-* a cancelled job never runs again.
+* a cancelled job never runs again;
+* a short job claimed ahead of a long one (the adaptive look-ahead of issue
+  #25) never waits for a slot longer than the look-ahead's TTL: it starts, or
+  goes back for another worker.
 
 Settings: the profiles of `runner.py` (``nasiko-ci`` by default), with fewer
 and longer examples (`plain_profile`); it runs as the build-job machine does
@@ -168,6 +171,53 @@ SELECT id, state, attempt, CASE WHEN state = 'available' THEN run_at <= now() EN
 FROM nasiko_queue_jobs
 """
 
+# -- a long job among short ones (issue #25: the adaptive look-ahead) ------------------
+
+#: The queue of `long_job_among_short_ones`, which two workers of that rule's own run.
+MIXED_QUEUE = "mixed"
+#: Their `prefetch_auto_ttl`, shorter than the default's second so that the rule
+#: is quick; and a wait so generous (`prefetch_auto_wait`) that the short runs
+#: before the long one surely leave the lane a look-ahead (its sizing has tests
+#: of its own, in tests/test_prefetch.py).
+MIXED_TTL = 0.2
+MIXED_CONFIG = attrs.evolve(PLAIN_CONFIG, queues={MIXED_QUEUE: 1}, prefetch_auto_ttl=MIXED_TTL,
+                            prefetch_auto_wait=5.0)
+#: The long run lasts until every short job of its rule has run, at most this long.
+LONG_RUN = 3.0
+#: What a short job's wait may exceed the TTL by: the give-back's statement and
+#: a busy machine's scheduling (a job held behind the long run waits `LONG_RUN`).
+WAIT_SLACK = 1.5
+#: Seconds from a job's claim to now (the start of its run), on the server's clock.
+CLAIM_WAIT = """
+SELECT extract(epoch FROM clock_timestamp() - attempted_at)::double precision
+FROM nasiko_queue_jobs WHERE id = $1
+"""
+
+
+class MixedWorld:
+    """The runs of one `long_job_among_short_ones`: which job is long, and how
+    long each short one waited from its claim to its start."""
+
+    def __init__(self, long: UUID | None = None, shorts: int = 0) -> None:
+        self.long = long
+        self.shorts_left = shorts
+        self.shorts_done = trio.Event()
+        self.long_started = trio.Event()
+        #: (job, seconds from its claim to its start) of every short run.
+        self.waits: list[tuple[UUID, float]] = []
+
+    async def run(self, ctx: PlainJobContext[Any]) -> None:
+        waited = await ctx.db.fetchval(CLAIM_WAIT, ctx.job_id)
+        if ctx.job_id == self.long:
+            self.long_started.set()
+            with trio.move_on_after(LONG_RUN):
+                await self.shorts_done.wait()
+            return
+        self.waits.append((ctx.job_id, waited))
+        self.shorts_left -= 1
+        if self.shorts_left <= 0:
+            self.shorts_done.set()
+
 
 @attrs.frozen(kw_only=True)
 class JobSpec:
@@ -259,6 +309,8 @@ class PlainWorld:
         #: The busy lane's run: started, and allowed to end.
         self.busy_started = trio.Event()
         self.busy_release = trio.Event()
+        #: The runs of the last `long_job_among_short_ones`.
+        self.mixed = MixedWorld()
 
     def new_drain(self) -> None:
         self.log = []
@@ -293,6 +345,9 @@ def plain_executors(world: PlainWorld) -> Executors:
         if ctx.queue == BUSY_QUEUE:  # holds its lane's one slot until released
             world.busy_started.set()
             await world.busy_release.wait()
+            return
+        if ctx.queue == MIXED_QUEUE:
+            await world.mixed.run(ctx)
             return
         outcome = await world.begin(ctx)
         if outcome is Run.RAISE:
@@ -710,7 +765,7 @@ class PlainStateMachine(DatabaseMachine):
         async with trio.open_nursery() as nursery, db.transaction() as tx:
             pid = await tx.fetchval("SELECT pg_backend_pid()")
             rows = await tx.fetch(Q.plain_claim, QUEUE, 1, uuid.uuid4(), worker,
-                                  self.config.max_payload_bytes)
+                                  self.config.max_payload_bytes, [])
             nursery.start_soon(cancel)
             # Until the cancel waits for the claim's lock (or answered: the
             # claim took another job, which the rule reports).
@@ -733,6 +788,43 @@ class PlainStateMachine(DatabaseMachine):
                 await self.env.db.execute(Q.testing_worker_expire, worker)
                 await self.env.db.execute(AGE_PLAIN_CLAIMS, worker)
         return await self.rescuer.rescue()
+
+    # -- rules: a long job among short ones (issue #25) ---------------------------------
+
+    @rule(before=st.integers(1, 3), after=st.integers(1, 5))
+    def long_job_among_short_ones(self, before: int, after: int) -> None:
+        """
+        One lane of one slot, the default look-ahead ("auto"): `before` short
+        jobs, a long one, `after` short ones, in that order. The short runs give
+        the lane its look-ahead, so it claims short jobs ahead of the long one;
+        they must not wait out the long run: past the TTL they go back, and a
+        second worker, idle, started once the long run began, runs them. The
+        long run ends once every short job has run (at most `LONG_RUN`).
+        """
+        ids = self._call(self._long_among_short, before, after)
+        for job_id in ids:
+            self.model.enqueue(job_id, queue=MIXED_QUEUE, priority=0, max_attempts=3,
+                               delay=0, plan=())
+        ran = self.model.drain(MIXED_QUEUE, OnHang.CANCEL).runs
+        assert sorted(ran) == sorted(ids), "every job of the rule ran once"
+
+    async def _long_among_short(self, before: int, after: int) -> list[UUID]:
+        now = datetime.now(UTC)
+        first = len(self.model.jobs)
+        batch = [Job(MachineTask(n=first + i), options=JobOptions(queue=MIXED_QUEUE),
+                     run_at=now + timedelta(microseconds=i))  # claimed in this order
+                 for i in range(before + 1 + after)]
+        ids = await self.queue.enqueue_many(batch)
+        mixed = self.world.mixed = MixedWorld(ids[before], before + after)
+        a, b = self.make_worker(MIXED_CONFIG), self.make_worker(MIXED_CONFIG)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.run)
+            await mixed.long_started.wait()
+            await nursery.start(b.run)
+            await mixed.shorts_done.wait()
+            a.stop()  # graceful: the long run, which sees the short ones done, completes
+            b.stop()
+        return list(ids)
 
     # -- invariants --------------------------------------------------------------------------
 
@@ -775,6 +867,14 @@ class PlainStateMachine(DatabaseMachine):
         for job in self.model.in_states({CANCELLED}):
             runs = self.cancelled_runs.setdefault(job.id, self.world.runs[job.id])
             assert self.world.runs[job.id] == runs, f"cancelled job {job.id} ran again"
+
+    @invariant()
+    def short_jobs_never_wait_behind_a_long_one(self) -> None:
+        late = [(job, round(waited, 3)) for job, waited in self.world.mixed.waits
+                if waited > MIXED_TTL + WAIT_SLACK]
+        assert not late, (
+            f"short job(s) waited (seconds from claim to start) past the look-ahead's TTL "
+            f"of {MIXED_TTL}s behind a long run: {late}")
 
 
 def _cancelled_more(before: int, stats: WorkerStats) -> bool:

@@ -18,6 +18,7 @@ up to 50 steps, random); choose with NASIKO_QUEUE_HYPOTHESIS_PROFILE.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 import trio
 from hypothesis import HealthCheck, settings
+from hypothesis.errors import FlakyFailure
 from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_machine_as_test
 
 from ..db.database import Database, open_database
@@ -34,6 +36,8 @@ from ..errors import leaves
 from ..secrets import SecretBox
 
 T = TypeVar("T")
+
+log = logging.getLogger("nasiko_queue.testing")
 
 settings.register_profile(
     "nasiko-ci",
@@ -98,7 +102,15 @@ class DatabaseMachine(RuleBasedStateMachine):
             with trio.fail_after(self.env.rule_timeout):
                 return await fn(*args)
 
-        return trio.from_thread.run(bounded)
+        try:
+            return trio.from_thread.run(bounded)
+        except trio.TooSlowError:
+            # Logged here because Hypothesis may not show it: when the example's
+            # replay then fails earlier (a later step waiting on what this one
+            # left), it reports inconsistent data generation instead.
+            log.warning("machine step %s did not end within the rule timeout (%.1f s)",
+                        getattr(fn, "__qualname__", fn), self.env.rule_timeout)
+            raise
 
     @initialize()
     def start_empty(self) -> None:
@@ -167,6 +179,10 @@ class Failure:
     steps: tuple[tuple[str, ...], ...]
     #: Examples begun before the run ended.
     examples: int
+    #: Whether the failing example failed again when Hypothesis replayed it. A
+    #: bug that opens a race fails on some interleavings only: Hypothesis then
+    #: reports it as flaky, with the steps of the replay that passed.
+    replayed: bool = True
 
 
 async def expect_failure(
@@ -196,7 +212,7 @@ async def expect_failure(
 
 def _failure(exc: BaseException, machine: type[DatabaseMachine], examples: int) -> Failure:
     found_leaves = leaves(exc)
-    reports = tuple("\n".join(getattr(leaf, "__notes__", [])) for leaf in found_leaves)
+    reports = tuple("\n".join(_notes(exc, leaf)) for leaf in found_leaves)
     rules = _rule_names(machine)
     steps = tuple(tuple(line for line in report.splitlines()
                         if line.startswith("state.") and line[6:].split("(")[0] in rules)
@@ -204,12 +220,45 @@ def _failure(exc: BaseException, machine: type[DatabaseMachine], examples: int) 
     for report, leaf, found in zip(reports, found_leaves, steps, strict=True):
         assert "state." in report, f"no falsifying example reported: {leaf!r}"
         assert found, f"no step in the example:\n{report}"
-    return Failure(error=exc, reports=reports, steps=steps, examples=examples)
+    return Failure(error=exc, reports=reports, steps=steps, examples=examples,
+                   replayed=not _any_flaky(exc))
+
+
+def _notes(exc: BaseException, leaf: BaseException) -> list[str]:
+    """
+    The notes on `leaf` and on every group that holds it, outermost first.
+
+    Why the groups: when the failing example does not fail again on Hypothesis's
+    final replay (a race the planted bug opens only on some interleavings),
+    Hypothesis raises a `FlakyFailure` holding the first run's exception, which
+    carries no notes, and puts the replayed example's steps on the group.
+    """
+    if exc is leaf:
+        return list(getattr(leaf, "__notes__", []))
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if any(found is leaf for found in leaves(inner)):
+                return list(getattr(exc, "__notes__", [])) + _notes(inner, leaf)
+    return []
+
+
+def _any_flaky(exc: BaseException) -> bool:
+    """Whether Hypothesis reported `exc` (or a group within it) as flaky."""
+    if isinstance(exc, FlakyFailure):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and any(_any_flaky(e) for e in exc.exceptions)
 
 
 
 
 def _rule_names(machine: type[DatabaseMachine]) -> frozenset[str]:
-    """The names of `machine`'s rules (not its initializers or invariants)."""
-    return frozenset(name for name, member in inspect.getmembers(machine)
-                     if getattr(member, "hypothesis_stateful_rule", None) is not None)
+    """
+    The names of `machine`'s rules, and of its own initializers (one that acts on
+    the engine, as the workflow machine's starts and drains runs: a step), not
+    `DatabaseMachine.start_empty` (a truncation) nor its invariants.
+    """
+    return frozenset(
+        name for name, member in inspect.getmembers(machine)
+        if getattr(member, "hypothesis_stateful_rule", None) is not None
+        or (getattr(member, "hypothesis_stateful_initialize_rule", None) is not None
+            and member is not DatabaseMachine.start_empty))

@@ -1,6 +1,6 @@
 """
 The web dashboard (`nasiko-queue dashboard`): queues, jobs, dead letters,
-workers and schedules, server-rendered (Starlette and Jinja2, autoescaped; no
+workers, schedules and workflow runs, server-rendered (Starlette and Jinja2, autoescaped; no
 JavaScript needed), with retry, cancel, discard and pause/resume as POSTed
 forms.
 
@@ -18,9 +18,10 @@ Safety model:
   in the form's hidden field. The login form has a CSRF token of its own (a
   cookie and a hidden field that must match); failed logins are throttled per
   client address (429, `.auth.LoginThrottle`);
-- discarding every dead job of a filter, or several selected jobs, takes a
-  confirmation page that says how many jobs it touches; the POST that does it
-  is refused without that page's `confirm` field;
+- discarding every dead job of a filter, or several selected jobs, and
+  cancelling a workflow run take a confirmation page that says how many jobs
+  it touches; the POST that does it is refused without that page's `confirm`
+  field;
 - `read_only` (and a dashboard started without a token) shows no actions and
   refuses every POST but the login.
 
@@ -57,6 +58,7 @@ import attrs
 from ..admin import jobs as job_admin
 from ..admin.jobs import JobFilter, JobNotFound, JobRefused
 from ..admin.operator import job_events, queue_overview
+from ..admin.runs import RunNotFound, RunRefused
 from ..admin.status import list_workers
 from ..admin.view import job_view
 from ..config import QueueConfig
@@ -64,7 +66,9 @@ from ..db.database import Database
 from ..db.statements import Q
 from ..plain.schedules import Schedule
 from .auth import HostCheck, LoginThrottle, Session, Sessions, same_secret
+from .limits_page import limits_routes
 from .pages import operator_routes, queue_health, refresh_context
+from .run_pages import run_routes
 
 _HERE = Path(__file__).resolve().parent
 SESSION_COOKIE = "nq_session"
@@ -359,7 +363,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                 message = await fn(request, form)
             except Unconfirmed as exc:
                 return PlainTextResponse(str(exc), 400)
-            except (JobRefused, JobNotFound, ValueError) as exc:
+            except (JobRefused, JobNotFound, RunRefused, RunNotFound, ValueError) as exc:
                 return _redirect(_back(form), error=str(exc))
             return _redirect(_back(form), msg=message)
         return handler
@@ -454,6 +458,8 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         Route("/actions/pause", action(do_pause), methods=["POST"]),
         Route("/actions/resume", action(do_resume), methods=["POST"]),
         *operator_routes(dash, action),
+        *run_routes(dash, action),
+        *limits_routes(dash, action),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     return Starlette(routes=routes,

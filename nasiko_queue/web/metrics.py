@@ -2,7 +2,9 @@
 Prometheus metrics: `/metrics`, on a registry of the server's own.
 
 Per scrape, one statement (`metrics_jobs`): jobs by queue, kind and state, and
-the age of each queue's oldest claimable job. Everything else is read from the
+the age of each queue's oldest claimable job; beside it, on the same connection,
+the unserved queues and the workflow runs by workflow and state (one grouped
+read of the runs' listing index, `metrics_workflow_runs`). Everything else is read from the
 worker's memory: its counters (`WorkerStats`, incremented by the worker either
 way) and its timings (`WorkerState.run_seconds`, `claim_latency`: fixed-bucket
 histograms, a bisect per job). Serving metrics adds nothing per job.
@@ -18,6 +20,7 @@ Names (README "Health and metrics" has the table):
 ====================================================  =========  ======================
 nasiko_queue_jobs{queue,kind,state}                   gauge      jobs in the tables
 nasiko_queue_oldest_available_job_age_seconds{queue}  gauge      oldest claimable job
+nasiko_queue_workflow_runs{workflow,state}            gauge      workflow runs
 nasiko_queue_database_up                              gauge      the scrape's statement
 nasiko_queue_scrape_query_seconds                     gauge      its duration
 nasiko_queue_jobs_claimed_total                       counter    this worker's claims
@@ -54,6 +57,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..admin.runs import STATES as RUN_STATES
 from ..db.statements import Q
 from ..engine.retry import one_line
 from ..engine.state import Timings
@@ -97,6 +101,8 @@ class QueueCollector(Collector):
         self.rows: Sequence[Any] | None = None
         #: The queues with waiting jobs that no live worker serves (queues_unserved).
         self.unserved: Sequence[Any] = ()
+        #: Workflow runs by workflow and state (metrics_workflow_runs).
+        self.runs: Sequence[Any] = ()
         self.query_seconds = 0.0
 
     def collect(self) -> Iterator[Metric]:
@@ -118,6 +124,7 @@ class QueueCollector(Collector):
             for row in self.unserved:
                 unserved.add_metric([row["queue"]], float(row["waiting"]))
             yield unserved
+            yield self._runs(self.runs)
         if self.worker is not None:
             yield from self._worker(self.worker)
 
@@ -139,6 +146,18 @@ class QueueCollector(Collector):
         for queue, seconds in sorted(oldest.items()):
             age.add_metric([queue], seconds)
         yield age
+
+    @staticmethod
+    def _runs(rows: Sequence[Any]) -> Metric:
+        runs = GaugeMetricFamily(
+            "nasiko_queue_workflow_runs",
+            "Workflow runs by workflow and state (every state of a workflow that has "
+            "runs, 0 included).", labels=["workflow", "state"])
+        counts = {(row["workflow"], row["state"]): float(row["n"]) for row in rows}
+        for workflow in sorted({w for w, _ in counts}):
+            for state in RUN_STATES:
+                runs.add_metric([workflow, state], counts.get((workflow, state), 0.0))
+        return runs
 
     def _worker(self, worker: Worker) -> Iterator[Metric]:
         stats = worker.stats
@@ -192,21 +211,24 @@ class Metrics:
         """Run this scrape's statement, then render the registry (no checkpoint between)."""
         timeout = self.timeout
 
-        async def op(conn: Any) -> tuple[list[Any], list[Any]]:
+        async def op(conn: Any) -> tuple[list[Any], list[Any], list[Any]]:
             rows: list[Any] = await conn.fetch(Q.metrics_jobs, timeout=timeout)
             unserved: list[Any] = await conn.fetch(Q.queues_unserved, timeout=timeout)
-            return rows, unserved
+            runs: list[Any] = await conn.fetch(Q.metrics_workflow_runs, timeout=timeout)
+            return rows, unserved, runs
 
         sent = trio.current_time()
         rows: list[Any] | None
         unserved: list[Any] = []
+        runs: list[Any] = []
         try:
-            rows, unserved = await self.queue.db.run_bounded(op, bound=timeout)
+            rows, unserved, runs = await self.queue.db.run_bounded(op, bound=timeout)
         except Exception as exc:
             log.warning("metrics: the jobs statement got no answer (%s)", one_line(exc))
             rows = None
         self.collector.rows = rows
         self.collector.unserved = unserved
+        self.collector.runs = runs
         self.collector.query_seconds = trio.current_time() - sent
         return generate_latest(self.registry)
 

@@ -1,0 +1,308 @@
+"""
+Limits that hold across replicas (issue #23), at the claim: global concurrency
+under concurrent claims, rate windows (aged in SQL, never waited for), partition
+fairness, and slots freed by every way a run ends (rescue, retry, cancel, dead
+letter). The process tests with 4 replicas are in test_limit_processes.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import ClassVar
+from uuid import UUID
+
+import attrs
+import pytest
+import trio
+
+from nasiko_queue import JobArgs, JobOptions, PartitionMode, Queue, Rate
+from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.db.statements import Q
+from nasiko_queue.engine.contracts import ClaimedJob, WorkerIdentity
+from nasiko_queue.plain.store import PlainJobStore
+
+
+@attrs.frozen(kw_only=True)
+class Call(JobArgs):
+    kind: ClassVar[str] = "limited_call"
+    options: ClassVar[JobOptions] = JobOptions(queue="api", max_attempts=3)
+    customer: str = "c"
+    n: int = 0
+
+
+def _store(queue: Queue, worker: UUID | None = None) -> PlainJobStore:
+    return PlainJobStore(queue.db, queue.config, "api", lambda: worker)
+
+
+async def _running(queue: Queue) -> int:
+    n: int = await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs WHERE queue = 'api' AND state = 'running'")
+    return n
+
+
+async def _fill(queue: Queue, n: int, customer: str = "c", priority: int = 0) -> list[UUID]:
+    opts = JobOptions(queue="api", max_attempts=3, priority=priority)
+    return [await queue.enqueue(Call(customer=customer, n=i), options=opts) for i in range(n)]
+
+
+async def test_the_global_concurrency_holds_under_concurrent_claims(queue: Queue) -> None:
+    """Eight replicas' claims at once, each asking for 5: three run, across all of them."""
+    await queue.set_limit("api", concurrency=3)
+    await _fill(queue, 40)
+    taken: list[ClaimedJob] = []
+
+    async def claim() -> None:
+        taken.extend(await _store(queue).claim(5))
+
+    for _round in range(3):
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(claim)
+        assert await _running(queue) == 3
+    assert len(taken) == 3
+
+    # A finish frees its slot in the same statement that claims the next job.
+    store = _store(queue)
+    done, claimed = await store.finish_many_and_claim([(taken[0], None, None)], 5)
+    assert len(done) == 1
+    assert len(claimed) == 1
+    assert await _running(queue) == 3
+    # The limit raised: the next claim takes the new room.
+    await queue.set_limit("api", concurrency=5)
+    assert len(await store.claim(10)) == 2
+    assert await queue.clear_limit("api")
+    assert len(await store.claim(10)) == 10  # unlimited again: the plain claim
+    assert not await queue.clear_limit("api")
+
+
+async def test_the_per_worker_slots_still_bound_the_claim(queue: Queue) -> None:
+    """The claim never takes more than it asks (its worker's room), under a higher limit."""
+    await queue.set_limit("api", concurrency=10)
+    await _fill(queue, 20)
+    assert len(await _store(queue).claim(2)) == 2
+
+
+async def _worker(queue: Queue) -> UUID:
+    store = PgJobStore(queue.db, queue.config, runnable_kinds=frozenset(),
+                       known_kinds=frozenset())
+    worker_id = uuid.uuid4()
+    await store.register_worker(WorkerIdentity(id=worker_id, host="h", pid=1, kinds=()))
+    return worker_id
+
+
+async def test_a_dead_workers_jobs_release_their_slots_when_rescued(queue: Queue) -> None:
+    await queue.set_limit("api", concurrency=2)
+    await _fill(queue, 5)
+    dead = await _worker(queue)
+    assert len(await _store(queue, dead).claim(5)) == 2
+    assert await _store(queue).claim(5) == []  # full: the dead worker's jobs hold it
+    await queue.db.execute(
+        "UPDATE nasiko_queue_workers SET dead_at = now(), "
+        "heartbeat_at = now() WHERE id = $1", dead)
+    rescued = await queue.db.fetchrow(Q.plain_rescue, None)
+    assert rescued["rescued"] == 2
+    assert len(await _store(queue).claim(5)) == 2
+    assert await _running(queue) == 2
+
+
+async def test_every_end_of_a_run_frees_its_slot(queue: Queue) -> None:
+    """A retry, a dead letter, a cancelled run and a give-back each free one slot."""
+    await queue.set_limit("api", concurrency=4)
+    await _fill(queue, 10)
+    store = _store(queue)
+    a, b, c, d = await store.claim(4)
+    assert await store.claim(1) == []
+    assert await store.retry(a, 60.0, "boom") == "available"
+    assert await store.end(b, "discarded", "poison")
+    assert await queue.cancel(c.id) == "cancelling"
+    assert await store.end(c, "cancelled", None)
+    assert await store.unclaim([d]) == 1
+    assert len(await store.claim(10)) == 4
+    assert await _running(queue) == 4
+
+
+async def test_a_spent_rate_claims_nothing_and_says_when_it_allows(queue: Queue) -> None:
+    """Rate 3 per 60 s: three start, the rest wait; the lane is told to wake at the
+    window's end, not at its poll. Windows are aged in SQL."""
+    await queue.set_limit("api", rate=Rate(3, per=60.0))
+    await _fill(queue, 10)
+    store = _store(queue)
+    assert len(await store.claim(2)) == 2
+    assert len(await store.claim(5)) == 1
+    assert await store.claim(5) == []
+    wait = await store.next_due()
+    assert wait is not None
+    assert 50.0 < wait <= 60.0
+    # A run given back still counted as a start (never exceeded)...
+    [job] = await queue.db.fetch(
+        "SELECT id, attempt FROM nasiko_queue_jobs WHERE state = 'running' LIMIT 1")
+    await queue.db.execute(Q.plain_unclaim, [job["id"]], [job["attempt"]])
+    assert await store.claim(5) == []
+    # ...until its window passes.
+    await queue.db.execute("UPDATE nasiko_queue_limit_starts "
+                           "SET started_at = started_at - interval '61 seconds'")
+    assert len(await store.claim(5)) == 3
+    [limit] = await queue.limits()
+    assert limit.rate == Rate(3, per=60.0)
+    assert limit.window_starts == 3
+    assert limit.running == 5
+
+
+async def test_a_rate_partitioned_by_a_job_arg_is_per_key(queue: Queue) -> None:
+    await queue.set_limit("api", rate=Rate(2, per=60.0), partition_by="customer")
+    await _fill(queue, 6, "a")
+    await _fill(queue, 6, "b")
+    claimed = await _store(queue).claim(10)
+    keys = sorted(j.payload_customer for j in map(_Claimed.of, claimed))
+    assert keys == ["a", "a", "b", "b"]
+    assert await _store(queue).claim(10) == []
+    await _fill(queue, 1, "c")
+    assert [_Claimed.of(j).payload_customer for j in await _store(queue).claim(10)] == ["c"]
+
+
+@attrs.frozen
+class _Claimed:
+    payload_customer: str
+
+    @classmethod
+    def of(cls, job: ClaimedJob) -> _Claimed:
+        import json
+        assert job.payload is not None
+        return cls(json.loads(job.payload)["customer"])
+
+
+async def test_round_robin_lets_a_new_key_start_in_the_next_claim(queue: Queue) -> None:
+    """Key a's backlog of 200 does not delay key b's first job past one claim round;
+    priority orders within a key."""
+    await queue.set_limit("api", partition_by="customer",
+                          partition_mode=PartitionMode.ROUND_ROBIN)
+    await _fill(queue, 200, "a")
+    first_b = await _fill(queue, 3, "b", priority=1)
+    urgent_b = await _fill(queue, 1, "b", priority=0)
+    claimed = await _store(queue).claim(2)
+    assert sorted(_Claimed.of(j).payload_customer for j in claimed) == ["a", "b"]
+    assert urgent_b[0] in {j.id for j in claimed}
+    assert first_b[0] not in {j.id for j in claimed}
+
+
+async def test_serial_mode_runs_one_job_per_key(queue: Queue) -> None:
+    await queue.set_limit("api", partition_by="customer", partition_mode="serial")
+    await _fill(queue, 5, "a")
+    await _fill(queue, 5, "b")
+    store = _store(queue)
+    first = await store.claim(10)
+    assert sorted(_Claimed.of(j).payload_customer for j in first) == ["a", "b"]
+    assert await store.claim(10) == []
+    _done, claimed = await store.finish_many_and_claim([(first[0], None, None)], 10)
+    assert [_Claimed.of(j).payload_customer for j in claimed] == \
+        [_Claimed.of(first[0]).payload_customer]
+
+
+async def test_a_paused_limited_queue_claims_nothing(queue: Queue) -> None:
+    from nasiko_queue.job_admin import pause_queue
+    await queue.set_limit("api", concurrency=3)
+    await _fill(queue, 3)
+    await pause_queue(queue.db, "api")
+    assert await _store(queue).claim(3) == []
+
+
+async def test_limits_are_checked(queue: Queue) -> None:
+    with pytest.raises(ValueError, match="concurrency must be at least 1"):
+        await queue.set_limit("api", concurrency=0)
+    with pytest.raises(ValueError, match="a partition mode needs partition_by"):
+        await queue.set_limit("api", partition_mode="serial")
+    with pytest.raises(ValueError, match="not 'builds'"):
+        await queue.set_limit("builds", concurrency=1)
+    with pytest.raises(ValueError, match="limit must be positive"):
+        Rate(0, per=1.0)
+    assert await queue.limits() == []
+
+
+async def test_each_claim_counts_its_starts_once(queue: Queue) -> None:
+    """Whichever statement claims (alone, or with finishes), one start per job taken."""
+    await queue.set_limit("api", rate=Rate(100, per=60.0))
+    await _fill(queue, 30)
+    store = _store(queue)
+    first = await store.claim(3)
+    claimed = len(first)
+    for job in first:
+        _done, more = await store.finish_many_and_claim([(job, None, None)], 4)
+        claimed += len(more)
+    starts = await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_limit_starts")
+    assert (claimed, starts) == (15, 15)
+
+
+def test_the_cli_sets_lists_and_clears_limits(dsn: str) -> None:
+    """``nasiko-queue limit set|clear`` and ``limits``: an operator's change, no deploy."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nasiko_queue.cli import main
+
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        result = runner.invoke(main, [*args, "--dsn", dsn], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert run("limits") == "no queue has limits\n"
+    assert run("limit", "set", "api", "--concurrency", "3", "--rate", "10", "--per", "60",
+               "--partition-by", "customer", "--partition-mode", "round_robin") == (
+        "set api: concurrency 3 (0 running), rate 10 per key per 60s (0 in the window), "
+        "partition by customer (round_robin)\n")
+    [row] = json.loads(run("limits", "--json"))
+    assert row == {"queue": "api", "concurrency": 3, "rate": {"limit": 10, "per": 60.0},
+                   "partition_by": "customer", "partition_mode": "round_robin",
+                   "running": 0, "window_starts": 0}
+    bad = runner.invoke(main, ["limit", "set", "api", "--rate", "3", "--dsn", dsn])
+    assert bad.exit_code == 2
+    assert "--rate and --per go together" in bad.output
+    assert run("limit", "clear", "api") == "cleared the limits of api\n"
+    assert run("limit", "clear", "api") == "api had no limits\n"
+
+
+async def test_round_robin_turns_carry_over_claims_of_one_job(queue: Queue) -> None:
+    """
+    Regression: the turn was the rank within the claim, so claims of one job each
+    (a worker with one free slot) took key a's oldest every time and key b, enqueued
+    after, waited for a's whole backlog. The key served longest ago goes first.
+    """
+    await queue.set_limit("api", partition_by="customer", partition_mode="round_robin")
+    await _fill(queue, 20, "a")
+    store = _store(queue)
+    assert [_Claimed.of(j).payload_customer for j in await store.claim(1)] == ["a"]
+    await _fill(queue, 2, "b")
+    await _fill(queue, 2, "c")
+    order = [_Claimed.of(j).payload_customer for _ in range(6) for j in await store.claim(1)]
+    assert order == ["b", "c", "a", "b", "c", "a"]
+
+
+async def test_the_dashboard_shows_sets_and_clears_limits(queue: Queue) -> None:
+    from urllib.parse import unquote_plus
+
+    from nasiko_queue.web.dashboard import dashboard_app
+
+    from .test_dashboard import TOKEN, _client, _login
+
+    await queue.set_limit("api", rate=Rate(20, per=2.0), partition_by="customer")
+    app = dashboard_app(queue.db, token=TOKEN, config=queue.config)
+    async with await _client(app) as client:
+        page = (await client.get("/limits")).text
+        assert "20 per 2 s per key" in page
+        assert "customer (none)" in page
+        csrf = await _login(client)
+        r = await client.post("/actions/limit-set", data={
+            "queue": "email", "concurrency": "3", "rate": "", "per": "",
+            "partition_by": "", "partition_mode": "none", "csrf": csrf, "next": "/limits"})
+        assert r.status_code == 303
+        assert "limits of queue email set" in unquote_plus(r.headers["location"])
+        r = await client.post("/actions/limit-set", data={
+            "queue": "email", "rate": "5", "csrf": csrf, "next": "/limits"})
+        assert "a rate needs its period" in unquote_plus(r.headers["location"])
+        r = await client.post("/actions/limit-clear",
+                              data={"queue": "api", "csrf": csrf, "next": "/limits"})
+        assert "limits of queue api cleared" in unquote_plus(r.headers["location"])
+    assert [(x.queue, x.concurrency, x.rate) for x in await queue.limits()] == [
+        ("email", 3, None)]
