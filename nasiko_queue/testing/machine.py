@@ -351,6 +351,7 @@ class QueueStateMachine(DatabaseMachine):
         return worker
 
     def teardown(self) -> None:
+        super().teardown()
         self.queue._remove_waker(self.next_worker.wake)
 
     # -- rules: the application ----------------------------------------------------------

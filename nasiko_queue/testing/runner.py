@@ -20,6 +20,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar, TypeVar
@@ -27,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 import trio
 from hypothesis import HealthCheck, settings
-from hypothesis.errors import FlakyFailure
+from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_machine_as_test
 
 from ..db.database import Database, open_database
@@ -63,6 +65,30 @@ def profile() -> settings:
     return settings.get_profile(os.environ.get("NASIKO_QUEUE_HYPOTHESIS_PROFILE", "nasiko-ci"))
 
 
+@attrs.frozen
+class StepFailure:
+    """
+    An exception raised in one of a machine's own methods (a rule, a check), as
+    its example ended: the runner's record, kept whatever Hypothesis reports
+    after. Why keep one: when the example's replay goes another way (a race the
+    engine lost once, a step that overran under load), Hypothesis raises
+    "inconsistent data generation" or "flaky" and the first error is gone.
+    """
+
+    #: The example it ended (1 is the first).
+    example: int
+    #: The machine's methods the traceback passes through, outermost first: the
+    #: rule or check first, then the helpers it called.
+    methods: tuple[str, ...]
+    error: BaseException
+
+    def describe(self) -> str:
+        """The failure and its traceback, for a report."""
+        where = " > ".join(self.methods)
+        return (f"example {self.example} failed in {where}:\n"
+                + "".join(traceback.format_exception(self.error)).rstrip())
+
+
 @attrs.define
 class MachineEnv:
     """What a machine needs from the trio side; set by `run_machine`."""
@@ -74,6 +100,8 @@ class MachineEnv:
     secrets: SecretBox
     #: Examples begun so far (each builds a machine).
     examples: int = 0
+    #: The examples that ended in an exception of the machine's own, in order.
+    failures: list[StepFailure] = attrs.Factory(list)
 
 
 class DatabaseMachine(RuleBasedStateMachine):
@@ -115,6 +143,30 @@ class DatabaseMachine(RuleBasedStateMachine):
     @initialize()
     def start_empty(self) -> None:
         self._call(self.env.db.execute, Q.testing_truncate_all)
+
+    def teardown(self) -> None:
+        """
+        Record the exception this example ends in, if one of the machine's
+        methods raised it. Hypothesis calls `teardown` from a `finally` block,
+        where `sys.exc_info()` is the exception on its way out (an exception
+        some outer handler holds is told apart by its traceback, which does not
+        pass through this machine). Subclasses call this.
+        """
+        raised = sys.exc_info()[1]
+        methods = _raised_in(self, raised) if raised is not None else ()
+        if raised is not None and methods:
+            self.env.failures.append(StepFailure(self.env.examples, methods, raised))
+
+
+def _raised_in(machine: DatabaseMachine, exc: BaseException) -> tuple[str, ...]:
+    """The names of `machine`'s methods `exc`'s traceback passes through."""
+    names = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_locals.get("self") is machine:
+            names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return tuple(names)
 
 
 @asynccontextmanager
@@ -163,7 +215,20 @@ async def run_machine(
         secrets: the key for sealed payload fields (a fixed test key by default).
     """
     async with _bound(db_or_dsn, rule_timeout, secrets) as env:
-        await _run(env, machine, settings)
+        try:
+            await _run(env, machine, settings)
+        except BaseException as exc:
+            if _any_flaky(exc):
+                _note_failures(exc, env)
+            raise
+
+
+def _note_failures(exc: BaseException, env: MachineEnv) -> None:
+    """Put the machine's own record of its failed examples on a flaky report."""
+    if not env.failures:
+        exc.add_note(f"(none of the {env.examples} examples failed in a method of the machine)")
+    for failure in env.failures[:3]:
+        exc.add_note(failure.describe())
 
 
 @attrs.frozen
@@ -203,25 +268,40 @@ async def expect_failure(
         try:
             await _run(env, machine, settings)
         except BaseException as exc:  # any failure counts
-            failure = _failure(exc, machine, env.examples)
+            failure = _failure(exc, machine, env)
         else:
             raise AssertionError(f"{machine.__name__} passed {env.examples} examples: "
                                  "the planted bug was not found")
     return failure
 
 
-def _failure(exc: BaseException, machine: type[DatabaseMachine], examples: int) -> Failure:
+def _failure(exc: BaseException, machine: type[DatabaseMachine], env: MachineEnv) -> Failure:
     found_leaves = leaves(exc)
     reports = tuple("\n".join(_notes(exc, leaf)) for leaf in found_leaves)
     rules = _rule_names(machine)
     steps = tuple(tuple(line for line in report.splitlines()
                         if line.startswith("state.") and line[6:].split("(")[0] in rules)
                   for report in reports)
+    if all("state." in report and found for report, found in zip(reports, steps, strict=True)):
+        return Failure(error=exc, reports=reports, steps=steps, examples=env.examples,
+                       replayed=not _any_flaky(exc))
+    # No example reported: Hypothesis's replay went another way and it raised
+    # "flaky" or "inconsistent data generation" instead. The bug counts as found
+    # when the machine's own record shows a check of its failing (an
+    # AssertionError in a rule or an invariant): what a report would have shown.
+    checks = rules | _invariant_names(machine)
+    seen = [f for f in env.failures
+            if isinstance(f.error, AssertionError) and f.methods[0] in checks]
+    if _any_flaky(exc) and seen:
+        first = seen[0]
+        return Failure(error=first.error, reports=(first.describe(),),
+                       steps=((first.methods[0],),), examples=env.examples, replayed=False)
+    recorded = "\n".join(f.describe() for f in env.failures[:3]) or "(none)"
     for report, leaf, found in zip(reports, found_leaves, steps, strict=True):
-        assert "state." in report, f"no falsifying example reported: {leaf!r}"
+        assert "state." in report, (f"no falsifying example reported: {leaf!r}; "
+                                    f"the machine's failed examples:\n{recorded}")
         assert found, f"no step in the example:\n{report}"
-    return Failure(error=exc, reports=reports, steps=steps, examples=examples,
-                   replayed=not _any_flaky(exc))
+    raise AssertionError(f"unreachable: {exc!r}")  # pragma: no cover
 
 
 def _notes(exc: BaseException, leaf: BaseException) -> list[str]:
@@ -244,11 +324,15 @@ def _notes(exc: BaseException, leaf: BaseException) -> list[str]:
 
 def _any_flaky(exc: BaseException) -> bool:
     """Whether Hypothesis reported `exc` (or a group within it) as flaky."""
-    if isinstance(exc, FlakyFailure):
+    if isinstance(exc, Flaky):
         return True
     return isinstance(exc, BaseExceptionGroup) and any(_any_flaky(e) for e in exc.exceptions)
 
 
+def _invariant_names(machine: type[DatabaseMachine]) -> frozenset[str]:
+    """The names of `machine`'s invariants (its checks after every step)."""
+    return frozenset(name for name, member in inspect.getmembers(machine)
+                     if getattr(member, "hypothesis_stateful_invariant", None) is not None)
 
 
 def _rule_names(machine: type[DatabaseMachine]) -> frozenset[str]:
