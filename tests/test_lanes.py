@@ -23,6 +23,7 @@ import trio
 
 from nasiko_queue import (
     Executors,
+    Job,
     JobArgs,
     JobContext,
     JobOptions,
@@ -334,6 +335,36 @@ async def test_the_fence_stops_plain_jobs_and_counts_them(
             worker.stop()
     assert "stopping its 1 running job(s)" in caplog.text
     assert await plain_state(db, job_id) in {("available", 1), ("completed", 2)}
+
+
+async def test_the_fence_gives_back_the_buffered_jobs_at_once(db: Database) -> None:
+    """A fenced worker's look-ahead goes back at once, attempts restored, not left
+    `running` under the dead identity until the leader's rescue (which then
+    counts an attempt the jobs never used). Found by the plain state machine: a
+    drain whose hung run was fenced while its buffer held a job never ran it."""
+    # No maintenance: with it, the rescue would give the buffered jobs back too.
+    config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
+                          queues={"slow": 1}, prefetch=2, maintenance=False)
+    queue = Queue(db, config=config)
+    busy = Busy()
+    executors = Executors()
+    executors.register(Slow, busy.hold)
+    worker = Worker(queue, executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            first, *rest = await queue.enqueue_many([Job(Slow(n=n)) for n in range(3)])
+            await busy.started.wait()
+            await worker.wait_for(lambda s: s.buffered >= 2)
+            await _declare_dead(db, worker)
+            # The hung run's job goes back by its own reset; the two buffered by the
+            # fence's give-back (before this, never: nothing rescues them here).
+            await worker.wait_for(lambda s: s.released >= 1 and s.returned >= 2)
+            busy.release.set()
+            await worker.wait_for(lambda s: s.done >= 3)
+            worker.stop()
+    assert await plain_state(db, first) == ("completed", 2)
+    assert [await plain_state(db, job_id) for job_id in rest] == [("completed", 1)] * 2
 
 
 async def test_a_prefetched_job_cancelled_before_it_starts_never_runs(db: Database) -> None:

@@ -16,7 +16,7 @@ gives its jobs back. Two things keep that from running a job twice:
 * **the fence.** A worker that could not renew its heartbeat for
   `lease - heartbeat_interval` (12 s) — the database unreachable, the network
   cut — stops its own jobs (their executors are cancelled, their results never
-  written) and drops its buffer, one interval before anyone may take them. When
+  written) and gives back its buffer, one interval before anyone may take them. When
   the database answers again, it retires that identity (declares it dead: the
   leader gives its jobs back) and registers anew. A heartbeat that finds its row
   declared dead (a pause longer than the lease: SIGSTOP, a VM frozen) does the
@@ -55,7 +55,7 @@ class HeartbeatService:
         state: the shared state (`leader_until`, `fenced`, the counters).
         store: the database operations.
         kinds: the kinds the worker claims, for its row.
-        on_fence: stops the worker's running jobs and drops its buffer.
+        on_fence: stops the worker's running jobs and gives back its buffer.
         on_resume: called once the worker has registered anew after a fence.
         on_elected: called when the worker takes the leadership.
         on_cancels: called with the plain jobs the worker runs whose cancel was

@@ -82,6 +82,9 @@ class Producer:
                 for claim in state.lost_claims:
                     statements.start_soon(self.resolve, claim)
                 state.lost_claims.clear()
+            elif state.fenced_out:
+                await self._give_back(self._take_fenced_out(), "taken out of the buffer "
+                                      "by the fence")
             elif state.buffer and (state.closing or expired):
                 await self.give_back(expired=not state.closing)
             elif (state.finishes or (starts and not state.in_flight)) and free:
@@ -247,6 +250,10 @@ class Producer:
         state.stats.buffered -= len(jobs)
         await self._give_back(jobs, "waited past its TTL" if expired else "stopping")
 
+    def _take_fenced_out(self) -> list[ClaimedJob]:
+        jobs, self.state.fenced_out = self.state.fenced_out, []
+        return jobs
+
     async def _give_back(self, jobs: list[ClaimedJob], why: str) -> None:
         state = self.state
         with trio.CancelScope(shield=True):  # bounded by the store
@@ -274,9 +281,12 @@ class Producer:
         state = self.state
         state.closing = True
         bound = 2 * self.config.cleanup_timeout  # one try, and one more after a pause
-        while (state.lost_claims or state.buffer or state.finishes or state.starts
-               or state.slots_alive):
-            if state.lost_claims:
+        while (state.lost_claims or state.buffer or state.fenced_out or state.finishes
+               or state.starts or state.slots_alive):
+            if state.fenced_out:
+                await self._give_back(self._take_fenced_out(), "taken out of the buffer "
+                                      "by the fence")
+            elif state.lost_claims:
                 claim = state.lost_claims.pop()
                 with trio.move_on_after(bound) as scope:
                     await self.resolve(claim)

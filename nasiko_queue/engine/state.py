@@ -260,6 +260,8 @@ class LaneState:
     starts: list[tuple[float, Starting]] = attrs.Factory(list)
     #: Claims whose answer was lost, waiting to be resolved; resolutions under way.
     lost_claims: list[LostClaim] = attrs.Factory(list)
+    #: What a fence took out of the buffer, for the producer to give back.
+    fenced_out: list[ClaimedJob] = attrs.Factory(list)
     resolving: int = 0
     #: Statements of the producer in flight, and the jobs their claims may take.
     in_flight: int = 0
@@ -394,7 +396,8 @@ class LaneState:
         """Nothing in hand and nothing about to start: no drain running or asked for."""
         return (self.running == 0 and not self.buffer and not self.finishes
                 and not self.starts and not self.draining and not self.woken
-                and not self.in_flight and not self.lost_claims and not self.resolving)
+                and not self.in_flight and not self.lost_claims and not self.resolving
+                and not self.fenced_out)
 
     # -- room ------------------------------------------------------------------
 

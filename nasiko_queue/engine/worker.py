@@ -233,9 +233,13 @@ class Worker:
     def fence(self, _why: str) -> None:
         """
         The worker lost its lease (the heartbeat calls this): stop every running
-        job, drop what is buffered (the leader gives it back with the rest), claim
-        nothing until registered anew. Claims in flight now are answered under an
-        older `fence_epoch`: their jobs go back instead of into a buffer
+        job, take what is buffered out of the slots' reach, claim nothing until
+        registered anew. The producer gives the buffered jobs back at once,
+        attempts restored, as it does a claim answered after the fence (its
+        write names each job's claim, so a job the leader rescued meanwhile is
+        left as it is); if the database cannot be reached, the leader's rescue
+        gives them back with the rest. Claims in flight now are answered under
+        an older `fence_epoch`: their jobs go back instead of into a buffer
         (`Producer`).
         """
         state = self.state
@@ -246,6 +250,7 @@ class Worker:
         for lane in self.lanes:
             lane_state = lane.state
             dropped = len(lane_state.buffer)
+            lane_state.fenced_out.extend(job for job, _ in lane_state.buffer)
             lane_state.buffer.clear()
             state.stats.buffered -= dropped
             lane_state.end_drain()

@@ -1035,7 +1035,7 @@ async def run_queue_state_machine(
     Run `machine` against a migrated database, from a trio test.
 
     Args:
-        db_or_dsn: an open `Database` or a DSN (the tables are truncated before
+        db_or_dsn: an open `Database` or a DSN (the tables are emptied before
             every example: give it a database of its own).
         machine: `QueueStateMachine` or your subclass.
         settings: Hypothesis settings; default `profile()`.

@@ -142,7 +142,7 @@ class DatabaseMachine(RuleBasedStateMachine):
 
     @initialize()
     def start_empty(self) -> None:
-        self._call(self.env.db.execute, Q.testing_truncate_all)
+        self._call(self.env.db.execute, Q.testing_empty_tables)
 
     def teardown(self) -> None:
         """
@@ -207,7 +207,7 @@ async def run_machine(
     Run `machine` against a migrated database, from a trio test.
 
     Args:
-        db_or_dsn: an open `Database` or a DSN (the tables are truncated before
+        db_or_dsn: an open `Database` or a DSN (the tables are emptied before
             every example: give it a database of its own).
         machine: the machine class.
         settings: Hypothesis settings.
@@ -339,7 +339,7 @@ def _rule_names(machine: type[DatabaseMachine]) -> frozenset[str]:
     """
     The names of `machine`'s rules, and of its own initializers (one that acts on
     the engine, as the workflow machine's starts and drains runs: a step), not
-    `DatabaseMachine.start_empty` (a truncation) nor its invariants.
+    `DatabaseMachine.start_empty` (emptying the tables) nor its invariants.
     """
     return frozenset(
         name for name, member in inspect.getmembers(machine)

@@ -90,12 +90,9 @@ WORKFLOW_CONFIG = QueueConfig(
     recovery_interval=3600.0,
 )
 
-#: Truncated before every example (the runner's `testing_truncate_all` leaves the
-#: workflow tables alone).
-TRUNCATE = """
-TRUNCATE nasiko_queue_workflow_runs, nasiko_queue_workflow_steps,
-         nasiko_queue_workflow_signals
-"""
+#: Emptied before every example (the runner's `testing_empty_tables` leaves the
+#: workflow tables alone); a run's steps and signals go with it (ON DELETE CASCADE).
+EMPTY_RUNS = "DELETE FROM nasiko_queue_workflow_runs"
 
 #: Step jobs due now: a drain is over when there are none.
 DUE = """
@@ -265,16 +262,16 @@ class WorkflowStateMachine(DatabaseMachine):
                 drained=st.integers(0, 3).map(bool))
     def start_empty(self, specs: tuple[RunSpec, ...], drained: bool) -> None:
         """
-        Empty tables (the runner's truncation, which keeps runs, and the runs';
-        one initializer, so that no truncation follows a start); then a run of
+        Empty tables (the runner's emptying, which keeps runs, and the runs';
+        one initializer, so that no emptying follows a start); then a run of
         each workflow, drained at once (most examples). Steering: every example
         has a join, a fan-out and a signal wait, most begin with runs completed,
         failed (as planned) or waiting for their signal, so the rules that need
         such runs (a retry, a signal, a cancel of a run half done) are never
         starved by the few steps an example has.
         """
-        self._call(self.env.db.execute, Q.testing_truncate_all)
-        self._call(self.env.db.execute, TRUNCATE)
+        self._call(self.env.db.execute, Q.testing_empty_tables)
+        self._call(self.env.db.execute, EMPTY_RUNS)
         for spec in specs:
             self.start(spec)
         if drained:
