@@ -68,6 +68,7 @@ class Queries:
     snapshot_connectors: str
     snapshot_agent_builds: str
     snapshot_connector_builds: str
+    testing_empty_build_jobs: str
     testing_empty_tables: str
     testing_worker_expire: str
     testing_leader_expire: str

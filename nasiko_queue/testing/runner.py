@@ -142,6 +142,7 @@ class DatabaseMachine(RuleBasedStateMachine):
 
     @initialize()
     def start_empty(self) -> None:
+        self._call(self.env.db.execute, Q.testing_empty_build_jobs)
         self._call(self.env.db.execute, Q.testing_empty_tables)
 
     def teardown(self) -> None:

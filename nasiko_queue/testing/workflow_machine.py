@@ -270,6 +270,7 @@ class WorkflowStateMachine(DatabaseMachine):
         such runs (a retry, a signal, a cancel of a run half done) are never
         starved by the few steps an example has.
         """
+        self._call(self.env.db.execute, Q.testing_empty_build_jobs)
         self._call(self.env.db.execute, Q.testing_empty_tables)
         self._call(self.env.db.execute, EMPTY_RUNS)
         for spec in specs:
