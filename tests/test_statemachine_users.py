@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from uuid import UUID
 
 import attrs
+from hypothesis import settings
 
 from nasiko_queue import Executors, JobContext, Payload, Target
 from nasiko_queue.testing import Outcome
@@ -18,6 +19,7 @@ from nasiko_queue.testing.machine import (
     SimulatedCrash,
     run_queue_state_machine,
 )
+from nasiko_queue.testing.runner import profile
 
 
 @attrs.frozen(kw_only=True)
@@ -92,4 +94,8 @@ async def scripted_side_effect(ctx: JobContext[Any], outcome: Outcome) -> None:
 
 
 async def test_a_users_own_payload_and_executor(dsn: str) -> None:
-    await run_queue_state_machine(dsn, CanaryMachine)
+    # The engine's paths are the base machine's (tests/test_statemachine.py); this
+    # one shows a user's own payload type and executor go through them. Its share
+    # of the machines' budget (issue #24): 20 examples, not the profile's 50.
+    await run_queue_state_machine(dsn, CanaryMachine,
+                                  settings=settings(profile(), max_examples=20))

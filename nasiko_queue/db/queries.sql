@@ -337,22 +337,30 @@ SELECT status FROM mcp_connector_builds WHERE id = $1;
 -- The statements below serve `nasiko_queue.testing`: the state machine reads
 -- the whole queue after every step and compares it with its model.
 
--- name: snapshot_jobs
-SELECT id, status, attempt, error_msg, picked_at IS NOT NULL AS picked,
-       completed_at IS NOT NULL AS completed
-FROM build_jobs;
-
--- name: snapshot_agents
-SELECT id, status, deleted_at IS NOT NULL AS soft_deleted FROM agents;
-
--- name: snapshot_connectors
-SELECT id, coalesce(build_status, 'null') AS status FROM mcp_connectors;
-
--- name: snapshot_agent_builds
-SELECT id, agent_id AS target_id, status::text AS status FROM agent_builds;
-
--- name: snapshot_connector_builds
-SELECT id, connector_id AS target_id, status FROM mcp_connector_builds;
+-- name: snapshot_build_world
+-- Every row a build machine compares with its model, in one statement (one
+-- snapshot, one round trip: the machines read it after every step, and six
+-- statements took a tenth of their time). `part` says which table a row is of;
+-- the other columns are those that part uses, NULL elsewhere.
+SELECT 'job' AS part, id, status::text AS status, attempt, error_msg,
+       picked_at IS NOT NULL AS picked, completed_at IS NOT NULL AS completed,
+       claimed_by, NULL::uuid AS target_id, NULL::boolean AS soft_deleted
+FROM build_jobs
+UNION ALL
+SELECT 'agent', id, status::text, NULL, NULL, NULL, NULL, NULL, NULL,
+       deleted_at IS NOT NULL
+FROM agents
+UNION ALL
+SELECT 'connector', id, coalesce(build_status::text, 'null'), NULL, NULL, NULL, NULL,
+       NULL, NULL, false
+FROM mcp_connectors
+UNION ALL
+SELECT 'agent_build', id, status::text, NULL, NULL, NULL, NULL, NULL, agent_id, NULL
+FROM agent_builds
+UNION ALL
+SELECT 'connector_build', id, status::text, NULL, NULL, NULL, NULL, NULL, connector_id,
+       NULL
+FROM mcp_connector_builds;
 
 -- name: testing_empty_build_jobs
 -- Start a state-machine example from an empty queue, part 1: the build jobs,
@@ -396,10 +404,6 @@ WHERE id = $1;
 -- name: testing_leader_expire
 -- The leader ($1) died: its hold on the role has run out.
 UPDATE nasiko_queue_leaders SET expires_at = now() - interval '1 second' WHERE worker_id = $1;
-
--- name: snapshot_holders
--- Which worker holds each in-progress job.
-SELECT id, claimed_by FROM build_jobs WHERE status = 'in_progress';
 
 -- name: job_age_in_progress
 -- Pretend one in_progress job ($1) was claimed $2 minutes ago.

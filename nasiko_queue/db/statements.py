@@ -63,16 +63,11 @@ class Queries:
     agent_build_get_status: str
     connector_get: str
     connector_build_get_status: str
-    snapshot_jobs: str
-    snapshot_agents: str
-    snapshot_connectors: str
-    snapshot_agent_builds: str
-    snapshot_connector_builds: str
+    snapshot_build_world: str
     testing_empty_build_jobs: str
     testing_empty_tables: str
     testing_worker_expire: str
     testing_leader_expire: str
-    snapshot_holders: str
     job_age_in_progress: str
     jobs_age_in_progress: str
     job_insert_notify: str

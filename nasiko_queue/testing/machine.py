@@ -96,6 +96,11 @@ HARNESS_CONFIG = QueueConfig(
     # at a time; a drain's worker running maintenance of its own meanwhile would
     # make what happens depend on timing.
     maintenance=False,
+    # The machine wakes its workers itself (`drain_once`), in process: a LISTEN
+    # connection of each drain's worker took a third of the time a worker takes
+    # to start and stop. Machines that check wakes switch it on (tests/
+    # test_statemachine.py: ConcurrentMachine, PrefetchMachine).
+    listen=False,
 )
 
 
@@ -803,21 +808,21 @@ class QueueStateMachine(DatabaseMachine):
                 f"job {job_id} is held by {db['holders'].get(job_id)}, the model says {holder}")
 
     async def _snapshot(self) -> dict[str, Any]:
-        async def read(conn: Any) -> dict[str, Any]:
-            jobs = {r["id"]: (r["status"], r["attempt"], r["error_msg"], r["picked"],
-                              r["completed"]) for r in await conn.fetch(Q.snapshot_jobs)}
-            targets = {r["id"]: ("agent", r["status"], r["soft_deleted"])
-                       for r in await conn.fetch(Q.snapshot_agents)}
-            targets.update({r["id"]: ("connector", r["status"], False)
-                            for r in await conn.fetch(Q.snapshot_connectors)})
-            builds = {r["id"]: (r["target_id"], r["status"])
-                      for r in await conn.fetch(Q.snapshot_agent_builds)}
-            builds.update({r["id"]: (r["target_id"], r["status"])
-                           for r in await conn.fetch(Q.snapshot_connector_builds)})
-            holders = {r["id"]: r["claimed_by"] for r in await conn.fetch(Q.snapshot_holders)}
-            return {"jobs": jobs, "targets": targets, "builds": builds, "holders": holders}
-
-        return await self.env.db.run(read)
+        snapshot: dict[str, dict[Any, Any]] = {"jobs": {}, "targets": {}, "builds": {},
+                                               "holders": {}}
+        jobs, targets, builds = snapshot["jobs"], snapshot["targets"], snapshot["builds"]
+        for r in await self.env.db.fetch(Q.snapshot_build_world):
+            part = r["part"]
+            if part == "job":
+                jobs[r["id"]] = (r["status"], r["attempt"], r["error_msg"], r["picked"],
+                                 r["completed"])
+                if r["status"] == "in_progress":
+                    snapshot["holders"][r["id"]] = r["claimed_by"]
+            elif part in ("agent", "connector"):
+                targets[r["id"]] = (part, r["status"], r["soft_deleted"])
+            else:
+                builds[r["id"]] = (r["target_id"], r["status"])
+        return snapshot
 
     def _check_history(self, jobs: dict[UUID, tuple[Any, ...]]) -> None:
         for job_id, row in jobs.items():
@@ -993,7 +998,9 @@ class SteeredQueueStateMachine(QueueStateMachine):
         # left, took it again after its reset (it goes back unstarted too).
         given = min(behind, look_ahead)
         assert given <= worker.stats.returned <= given + (running is Outcome.RAISE), (
-            f"the stop gave back {worker.stats.returned} prefetched job(s), not {given}")
+            f"the stop gave back {worker.stats.returned} prefetched job(s), not {given} "
+            f"(look-ahead {look_ahead}, {behind} behind, running {running.name}; "
+            f"worker stats: {worker.stats})")
 
     def _drain_leftovers(self) -> None:
         """Drain until nothing is claimable and no claim is stuck (a hang stops

@@ -103,11 +103,13 @@ FOR EACH ROW EXECUTE FUNCTION refuse_batch();
 
 #: The worker's configuration: one slot on the machine's queue (and one on the
 #: busy lane's), no build lane, no maintenance of its own (the machine plays the
-#: leader), slow polls.
+#: leader), slow polls, no LISTEN connection (the machine wakes its workers
+#: itself, in process; one per drain's worker took a third of its start and stop).
 PLAIN_CONFIG = QueueConfig(
     queues={QUEUE: 1, BUSY_QUEUE: 1},
     builds=False,
     maintenance=False,
+    listen=False,
     poll_interval=60.0,
     recovery_interval=3600.0,
     retry_initial_delay=0.01,
@@ -180,8 +182,9 @@ MIXED_QUEUE = "mixed"
 #: before the long one surely leave the lane a look-ahead (its sizing has tests
 #: of its own, in tests/test_prefetch.py).
 MIXED_TTL = 0.2
+#: LISTEN on: the idle worker learns of the jobs given back by the other one's NOTIFY.
 MIXED_CONFIG = attrs.evolve(PLAIN_CONFIG, queues={MIXED_QUEUE: 1}, prefetch_auto_ttl=MIXED_TTL,
-                            prefetch_auto_wait=5.0)
+                            prefetch_auto_wait=5.0, listen=True)
 #: The long run lasts until every short job of its rule has run, at most this long.
 LONG_RUN = 3.0
 #: What a short job's wait may exceed the TTL by: the give-back's statement and
