@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Worker
 from nasiko_queue.builds.store import PgJobStore
@@ -204,6 +205,81 @@ async def test_a_stop_between_a_claim_and_its_start_runs_the_job_without_look_ah
     assert ran == [(1, True)], "the job must start after the stop, and only once"
     assert await _rows(queue, jobs) == [("done", 1, True)]
     assert (worker.stats.done, worker.stats.returned) == (1, 0)
+
+
+class HoldsTheSecondClaim(PgJobStore):
+    """The real store, logging its claims and give-backs in order; its second
+    statement that claims waits at the store's door until `release`: a round
+    trip slower than a stop, made certain."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+        self.claims = 0
+        self.held = trio.Event()
+        self.release = trio.Event()
+
+    async def _door(self, limit: int) -> None:
+        if limit:
+            self.claims += 1
+            if self.claims == 2:
+                self.held.set()
+                await self.release.wait()
+            self.calls.append("claim")
+
+    async def claim(self, limit: int) -> Any:
+        await self._door(limit)
+        return await super().claim(limit)
+
+    async def finish_many_and_claim(self, finishing: Any, limit: int, **kw: Any) -> Any:
+        await self._door(limit)
+        return await super().finish_many_and_claim(finishing, limit, **kw)
+
+    async def unclaim(self, jobs: Any) -> int:
+        self.calls.append(f"give back {len(jobs)}")
+        return await super().unclaim(jobs)
+
+
+async def test_a_stop_gives_back_the_buffer_once_the_claim_in_flight_has_landed(
+    queue: Queue,
+) -> None:
+    """
+    A stop lands while a claim is in flight (sent for the room the look-ahead
+    has left): the buffer goes back once that claim is answered, not beside
+    it. Sent beside it, the give-back could commit before the claim read the
+    table, and the claim took the same job straight back, to give it back a
+    second time. Found by issue #24's steered machine beside two CPU hogs:
+    "the stop gave back 2 prefetched job(s), not 1" (claimed 3 of 2 jobs).
+    """
+    started, release_run = trio.Event(), trio.Event()
+
+    async def run(ctx: Any) -> None:
+        started.set()
+        await release_run.wait()
+        await succeed(ctx)
+
+    jobs = [await enqueue_with_target(queue, "Upload") for _ in range(2)]
+    looking_ahead = _with(queue, prefetch=3)
+    kinds = frozenset(KINDS)
+    store = HoldsTheSecondClaim(queue.db, looking_ahead.config, runnable_kinds=kinds,
+                                known_kinds=kinds)
+    worker = Worker(looking_ahead, executors_for_all(run), store=store)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await started.wait()
+            await worker.wait_for(lambda s: s.buffered == 1)
+            worker.wake()  # as an enqueue would: a claim for the room left
+            await store.held.wait()
+            worker.stop()
+            # Every task has gone as far as it can with the claim held.
+            await trio.testing.wait_all_tasks_blocked()
+            store.release.set()
+            await worker.wait_for(lambda s: s.returned >= 1)
+            release_run.set()
+    assert store.calls == ["claim", "claim", "give back 1"]
+    assert (worker.stats.claimed, worker.stats.returned, worker.stats.done) == (2, 1, 1)
+    assert await _rows(queue, jobs) == [("done", 1, True), ("pending", 0, False)]
 
 
 async def test_hard_stop_gives_back_prefetched_jobs_and_releases_the_running_one(
