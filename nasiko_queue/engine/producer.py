@@ -85,13 +85,14 @@ class Producer:
             elif state.fenced_out:
                 await self._give_back(self._take_fenced_out(), "taken out of the buffer "
                                       "by the fence")
-            elif state.buffer and (state.closing or expired) and state.reserved:
-                # A claim in flight may read the table after the give-back commits
-                # and take the same jobs straight back (to give them back again):
-                # give back once it has landed (`_done` kicks).
-                await state.wait_kicked()
             elif state.buffer and (state.closing or expired):
-                await self.give_back(expired=not state.closing)
+                if state.reserved:
+                    # A claim in flight may read the table after the give-back
+                    # commits and take the same jobs straight back (to give them
+                    # back again): give back once it has landed (`_done` kicks).
+                    await state.wait_kicked()
+                else:
+                    await self.give_back(expired=not state.closing)
             elif (state.finishes or (starts and not state.in_flight)) and free:
                 # Start writes that are due ride on whatever goes next; alone only
                 # when nothing is in flight (what is will be answered soon).
