@@ -314,6 +314,39 @@ async def test_a_bad_payload_in_a_later_chunk_refuses_the_batch(queue: Queue) ->
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
 
 
+async def test_a_bad_payload_in_the_first_chunk_refuses_the_batch_while_it_warms_up(
+    queue: Queue,
+) -> None:
+    """A batch sent a chunk ahead runs its insert once with no rows while its first
+    chunk is encoded (issue #25): a bad payload in that chunk still refuses the
+    batch with its index, and the warm-up leaves no row and sends no NOTIFY."""
+    from nasiko_queue.errors import InvalidPayload
+    from nasiko_queue.queue import ENQUEUE_MANY_CHUNK, FIRST_CHUNK
+
+    batch = [Note(n=i) for i in range(ENQUEUE_MANY_CHUNK + 5)]
+    batch[FIRST_CHUNK - 1] = Note(n=0, text="nul \x00 here")
+    channel = queue.config.notify_channel
+    assert channel is not None
+    heard: list[str] = []
+    marker = trio.Event()
+
+    def on_notify(payload: str) -> None:
+        heard.append(payload)
+        if payload == "marker":
+            marker.set()
+
+    async with queue.db.listen(channel, on_notify):
+        with pytest.raises(InvalidPayload, match="a NUL character") as caught:
+            await queue.enqueue_many(batch)
+        await queue.db.execute("SELECT pg_notify($1, 'marker')", channel)
+        with trio.fail_after(10):
+            await marker.wait()
+    assert f"payload {FIRST_CHUNK - 1} of the {len(batch)} given to enqueue_many; nothing " \
+        "was enqueued" in caught.value.__notes__
+    assert heard == ["marker"]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+
+
 #: A trigger that refuses every plain job: the server rejects the plain statement
 #: of a mixed batch after its build statement went through.
 REFUSE_PLAIN_JOBS = """
