@@ -23,6 +23,7 @@ from typing import Any, TypeVar, overload
 from uuid import UUID, uuid4
 
 import asyncpg
+import attrs
 import trio
 
 from .builds.payloads import BUILTIN_PAYLOAD_TYPES, MAX_KIND_LENGTH, Payload, PayloadCodec
@@ -50,7 +51,7 @@ ENQUEUE_MANY_CHUNK = 2_000
 #: Rows of the first statement of a batch sent a chunk ahead (`_insert_pipelined`):
 #: nothing overlaps the encoding of the first chunk but the server's warm-up, so
 #: a smaller one starts the inserts sooner (issue #25: the first batch on a
-#: connection, 5,000 jobs, 91-93 ms before, 75-80 ms with this and the warm-up).
+#: connection, 5,000 jobs, 98-122 ms before, 84-88 ms with this and the warm-up).
 FIRST_CHUNK = 1_000
 
 #: Inserts a unique enqueue tries while the job holding its key keeps ending
@@ -550,10 +551,10 @@ class Queue:
             # types on this connection (a catalog query of 7 to 18 ms the first
             # time) and the server plan it and open the table and its indexes.
             query, empty = batch.first_insert()
-            batch.chunk = FIRST_CHUNK
+            statement = await _beside(
+                partial(own.execute, query, *empty),
+                partial(trio.to_thread.run_sync, batch.next_statement, FIRST_CHUNK))
             encode = partial(trio.to_thread.run_sync, batch.next_statement)
-            statement = await _beside(partial(own.execute, query, *empty), encode)
-            batch.chunk = ENQUEUE_MANY_CHUNK
             first = True
             while statement is not None:
                 following = await _beside(
@@ -731,6 +732,19 @@ async def _unique_holders(statement: _Statement, inserted: Any,
     return holders
 
 
+@attrs.frozen
+class _NoOptions:
+    """What a bare `JobArgs` in a batch is enqueued with: nothing of its own."""
+
+    options: JobOptions | None = None
+    unique: Unique | None = None
+    run_at: datetime | None = None
+    delay: float | timedelta | None = None
+
+
+_BARE = _NoOptions()
+
+
 class _Batch:
     """
     The payloads of one `enqueue_many`, encoded in the order given into statements
@@ -750,8 +764,6 @@ class _Batch:
         self._plain_ids: list[UUID] = []
         #: The unique jobs of the plain statement being filled (see `_Statement`).
         self._plain_unique: list[tuple[int, int, UUID, str]] = []
-        #: Rows per statement (the first of a pipelined batch takes fewer).
-        self.chunk = ENQUEUE_MANY_CHUNK
         #: Every job's id, in the order given.
         self.ids: list[UUID] = []
         self._random = b""
@@ -767,13 +779,13 @@ class _Batch:
     def first_insert(self) -> tuple[str, tuple[list[Any], ...]]:
         """The quiet twin of the statement the batch's first payload goes in, with
         empty arrays: run, it inserts nothing and warms the connection for it."""
-        first = self._payloads[0] if self._payloads else None
-        if isinstance(first, Payload):
+        if isinstance(self._payloads[0], Payload):
             return Q.jobs_insert_many, ([],) * 5
         return Q.plain_insert_many, ([],) * 8
 
-    def next_statement(self) -> _Statement | None:
-        """Encode payloads until a statement is full, or the last one; None at the end."""
+    def next_statement(self, rows: int = ENQUEUE_MANY_CHUNK) -> _Statement | None:
+        """Encode payloads until a statement of `rows` is full, or the last one; None
+        at the end."""
         payloads, queue = self._payloads, self._queue
         while self._next < len(payloads):
             index = self._next
@@ -781,14 +793,14 @@ class _Batch:
             job_id = self._new_id()
             try:
                 if isinstance(payload, JobArgs | Job):
+                    given: Job | _NoOptions
                     if isinstance(payload, Job):
-                        args, opts = payload.args, payload.options or type(payload.args).options
-                        unique = _unique_of(args, opts, payload.unique)
-                        row = queue._plain_row(args, opts, payload.run_at, payload.delay)
+                        args, given = payload.args, payload
                     else:  # a bare JobArgs: as Job(payload), without making one
-                        args, opts = payload, type(payload).options
-                        unique = _unique_of(args, opts, None)
-                        row = queue._plain_row(args, opts, None, None)
+                        args, given = payload, _BARE
+                    opts = given.options or type(args).options
+                    unique = _unique_of(args, opts, given.unique)
+                    row = queue._plain_row(args, opts, given.run_at, given.delay)
                     if unique is None:
                         self._plain.append((*row, None, None))
                     else:
@@ -809,9 +821,9 @@ class _Batch:
             ids.append(job_id)
             self.ids.append(job_id)
             self._next += 1
-            if len(self._build) == self.chunk:
+            if len(self._build) == rows:
                 return self._take_build()
-            if len(self._plain) == self.chunk:
+            if len(self._plain) == rows:
                 return self._take_plain()
         if self._build:
             return self._take_build()
