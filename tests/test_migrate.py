@@ -29,7 +29,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
         assert await migrate(db) == [
             "0001", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
             "0011", "0012", "0013", "0014", "0015", "0016",
-            "0017", "0018", "0019", "0020", "0021"]
+            "0017", "0018", "0019", "0020", "0021", "0022"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
@@ -42,7 +42,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
             ("0015", "job_events"), ("0016", "listing_order_index"),
             ("0017", "results"), ("0018", "workflows"), ("0019", "enqueue_function"),
             ("0020", "limits"),
-            ("0021", "workflow_run_views")]
+            ("0021", "workflow_run_views"), ("0022", "same_page_updates")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "
@@ -69,7 +69,11 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
         options = set(await db.fetchval(
             "SELECT reloptions FROM pg_class WHERE oid = 'build_jobs'::regclass"))
         assert {"autovacuum_vacuum_scale_factor=0.0", "autovacuum_vacuum_threshold=1000",
-                "autovacuum_analyze_scale_factor=0.0", "fillfactor=90"} <= options
+                "autovacuum_analyze_scale_factor=0.0"} <= options
+        # Half of each page left for a job's claim and end (0022, after 0005's 90).
+        for table in ("build_jobs", "nasiko_queue_jobs"):
+            assert "fillfactor=50" in await db.fetchval(
+                "SELECT reloptions FROM pg_class WHERE oid = $1::regclass", table)
 
 
 async def test_one_target_check(dsn: str) -> None:
