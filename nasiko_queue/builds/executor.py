@@ -28,13 +28,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from uuid import UUID
 
+import trio
+
 from ..engine.contracts import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED, ClaimedJob, JobStore
 from ..engine.retry import one_line
 from ..engine.slots import Ran, Slots, label_of
 from ..engine.state import Finish
 from ..errors import FinalWriteRefused, InvalidPayload
 from ..executors import JobContext, RunReport
-from ..job_errors import secret_values
+from ..job_errors import JobError, secret_values
 from .payloads import Payload, Target
 from .store import JOB_PANICKED, TARGET_DELETED
 
@@ -45,9 +47,9 @@ class JobExecutor(Slots[JobStore]):
     """The build jobs' pipeline (docs/rules.md §5), run by the build lane's slots;
     constructed as `Slots`."""
 
-    async def run_once(self, job: ClaimedJob) -> Finish | None:
+    async def run_claimed(self, job: ClaimedJob, scope: trio.CancelScope) -> Finish | None:
         """
-        Take one claimed job through steps 1-4 and run its executor.
+        Take one claimed job through steps 1-4 and run its executor (in `scope`).
 
         Returns the finish for the completer to record (step 5) when the executor
         returned; every other outcome (cap, invalid payload, deleted target,
@@ -85,15 +87,17 @@ class JobExecutor(Slots[JobStore]):
         )
         label = f"{payload.kind} {label_of(payload)}"
         limit = self.executors.timeout_for(payload.kind) or self.config.job_timeout
-        ran, _error = await self.run_guarded(job, lambda: executor(ctx), label, limit,
-                                             lambda: secret_values(payload))
-        if ran is Ran.CRASHED or ran is Ran.TIMED_OUT:
-            # The error is kept and logged; the documented rule.
-            await self.reset_panicked_job(job, payload.build_id)
-            return None
-        if ran is Ran.FENCED:
-            return None
-        return Finish(job=job, build_id=payload.build_id, label=label, report=run.outcome)
+        async def settle(ran: Ran, _error: JobError | None) -> Finish | None:
+            if ran is Ran.CRASHED or ran is Ran.TIMED_OUT:
+                # The error is kept and logged; the documented rule.
+                await self.reset_panicked_job(job, payload.build_id)
+                return None
+            if ran is Ran.FENCED:
+                return None
+            return Finish(job=job, build_id=payload.build_id, label=label, report=run.outcome)
+
+        return await self.run_guarded(job, lambda: executor(ctx), label, limit,
+                                      lambda: secret_values(payload), settle, scope)
 
     def _parse(self, job: ClaimedJob) -> Payload | None:
         """

@@ -200,7 +200,8 @@ class WorkerState:
     #: Bumped by every fence: a statement sent under an earlier epoch whose claim
     #: is answered after the fence gives its jobs back instead of running them.
     fence_epoch: int = 0
-    #: The cancel scope of each running job's executor, every lane's, by claim
+    #: The cancel scope of each running job's executor (its slot's, while the
+    #: job runs), every lane's, by claim
     #: (job id, attempt): two runs of one job may overlap in one worker for a
     #: moment (a crashed run's reset commits, another slot claims it).
     job_scopes: dict[tuple[UUID, int], trio.CancelScope] = attrs.Factory(dict)

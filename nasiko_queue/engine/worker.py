@@ -32,8 +32,8 @@ Shape (docs/rules.md §5, §8)::
                         finishes on each statement; gives back what never
                         started; resolves lost claims) and its slots
                         (`Slots.run_slot`: each runs one job at a time, its
-                        executor guarded in a cancel scope of its own, so
-                        that its exceptions, and those of any task it
+                        executor guarded in the slot's cancel scope, one
+                        per streak of jobs, so that its exceptions, and those of any task it
                         starts, feed `reset_panicked_job`)
 
 The lanes never wait for each other: a lane whose slots are all busy (a build of

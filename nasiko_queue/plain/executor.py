@@ -10,7 +10,7 @@ The steps, in order:
    that adds one: a retry after the backoff, with that as the error);
 3. the arguments (any failure to parse: discarded `invalid job payload`; bad
    input is not retried, and the worker goes on);
-4. the run, guarded in a cancel scope of its own, bounded by the job's run-time
+4. the run, guarded in its slot's cancel scope, bounded by the job's run-time
    limit and by the fence (`Slots.run_guarded`, the same as build jobs). A
    return completes the job (the completer's batched statement), with what the
    executor returned as its result (`results.encode_result`; a value that
@@ -36,6 +36,8 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 from uuid import UUID
+
+import trio
 
 from ..engine.contracts import INVALID_PAYLOAD, MAX_ATTEMPTS_EXCEEDED, ClaimedJob
 from ..engine.retry import one_line
@@ -78,7 +80,7 @@ class PlainJobExecutor(Slots[PlainJobStore]):
     """The pipeline of one queue of plain jobs, run by its lane's slots;
     constructed as `Slots`, with that queue's `PlainJobStore`."""
 
-    async def run_once(self, job: ClaimedJob) -> Finish | None:
+    async def run_claimed(self, job: ClaimedJob, scope: trio.CancelScope) -> Finish | None:
         assert job.max_attempts is not None
         assert job.queue is not None
         if job.attempt > job.max_attempts:
@@ -110,23 +112,25 @@ class PlainJobExecutor(Slots[PlainJobStore]):
         async def run() -> None:
             returned.append(await executor(ctx))
 
-        ran, error = await self.run_guarded(job, run, label, limit,
-                                            lambda: secret_values(args))
-        if error is not None:  # it crashed or timed out: kept, logged
-            await self._retry(job, error)
-            return None
-        if ran is Ran.FENCED:
-            return None
-        try:
-            result = encode_result(returned[0] if returned else None,
-                                   self.config.max_result_bytes)
-        except ResultRefused as exc:
-            # Not retried: the run's effects are done, and the same run would
-            # return the same value.
-            log.error("job %s (%s): %s; discarding it", job.id, label, exc)
-            await self._end(job, DISCARDED, f"{RESULT_REFUSED}{exc}")
-            return None
-        return Finish(job=job, build_id=None, label=label, report=result)
+        async def settle(ran: Ran, error: JobError | None) -> Finish | None:
+            if error is not None:  # it crashed or timed out: kept, logged
+                await self._retry(job, error)
+                return None
+            if ran is Ran.FENCED:
+                return None
+            try:
+                result = encode_result(returned[0] if returned else None,
+                                       self.config.max_result_bytes)
+            except ResultRefused as exc:
+                # Not retried: the run's effects are done, and the same run would
+                # return the same value.
+                log.error("job %s (%s): %s; discarding it", job.id, label, exc)
+                await self._end(job, DISCARDED, f"{RESULT_REFUSED}{exc}")
+                return None
+            return Finish(job=job, build_id=None, label=label, report=result)
+
+        return await self.run_guarded(job, run, label, limit, lambda: secret_values(args),
+                                      settle, scope)
 
     async def reset_panicked_job(self, job: ClaimedJob, build_id: UUID | None) -> None:
         """An internal error around the run (not the executor's): a crash."""
