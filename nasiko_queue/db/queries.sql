@@ -1145,10 +1145,27 @@ SELECT count(*) FROM given;
 -- limited queue (migration 0020), sooner if its limits hold back a due job:
 -- until its rate window lets one start, or $2 seconds while its concurrency
 -- is full (`nasiko_queue_limit_wait`). Unlimited queues: one primary-key probe.
+--
+-- Read from nasiko_queue_jobs_claim the way the claim reads it (migration 0023):
+-- the priorities present, by a loose scan, and for each the first run_at after
+-- now(); a backlog of due jobs, or of jobs scheduled later, is not walked.
 SELECT least(
-    (SELECT extract(epoch FROM min(run_at) - now())::double precision
-     FROM nasiko_queue_jobs
-     WHERE state = 'available' AND queue = $1 AND run_at > now()),
+    (WITH RECURSIVE present AS (
+        (SELECT priority FROM nasiko_queue_jobs
+         WHERE state = 'available' AND queue = $1
+         ORDER BY priority LIMIT 1)
+        UNION ALL
+        SELECT (SELECT n.priority FROM nasiko_queue_jobs AS n
+                WHERE n.state = 'available' AND n.queue = $1 AND n.priority > p.priority
+                ORDER BY n.priority LIMIT 1)
+        FROM present AS p WHERE p.priority IS NOT NULL
+     )
+     SELECT extract(epoch FROM min(
+                (SELECT j.run_at FROM nasiko_queue_jobs AS j
+                 WHERE j.state = 'available' AND j.queue = $1 AND j.priority = p.priority
+                   AND j.run_at > now()
+                 ORDER BY j.run_at LIMIT 1)) - now())::double precision
+     FROM present AS p WHERE p.priority IS NOT NULL),
     CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
          THEN nasiko_queue_limit_wait($1, $2::double precision) END);
 
@@ -1593,7 +1610,7 @@ HAVING count(*) > 0;
 -- alive (not declared dead, heartbeat within its lease) names the queue in its
 -- `queues` (migration 0014). A live worker registered by an older version
 -- (queues NULL) is taken to serve every queue. Reads only the waiting rows
--- (nasiko_queue_jobs_due, build_jobs_work_queue); `oldest_age` is the seconds the
+-- (nasiko_queue_jobs_claim, build_jobs_work_queue); `oldest_age` is the seconds the
 -- oldest due job has waited (NULL: none is due yet).
 WITH waiting AS (
     SELECT queue, count(*)::int AS waiting,
@@ -1641,12 +1658,38 @@ LIMIT $1;
 
 -- name: jobs_scheduled
 -- Plain jobs waiting for their run_at (available, run_at in the future), soonest
--- first: $1 queue (NULL: any), $2 the page size. Reads nasiko_queue_jobs_due.
-SELECT id, queue, kind, priority, attempt, max_attempts, run_at, created_at
-FROM nasiko_queue_jobs
-WHERE state = 'available' AND run_at > now() AND ($1::text IS NULL OR queue = $1)
-ORDER BY run_at, id
-LIMIT $2;
+-- first: $1 queue (NULL: any), $2 the page size. Reads nasiko_queue_jobs_claim:
+-- each (queue, priority) present, by a loose scan from queue $1 on (each step an
+-- index range, also on a generic plan; it stops past $1); the first $2 scheduled
+-- jobs of each, from the index alone; of those the soonest $2, read by primary
+-- key. However many jobs wait, due or scheduled.
+WITH RECURSIVE lanes AS (
+    (SELECT queue, priority FROM nasiko_queue_jobs
+     WHERE state = 'available' AND queue >= coalesce($1::text, '')
+     ORDER BY queue, priority LIMIT 1)
+    UNION ALL
+    SELECT n.queue, n.priority
+    FROM lanes AS l CROSS JOIN LATERAL (
+        SELECT j.queue, j.priority FROM nasiko_queue_jobs AS j
+        WHERE j.state = 'available' AND (j.queue, j.priority) > (l.queue, l.priority)
+        ORDER BY j.queue, j.priority LIMIT 1) AS n
+    WHERE $1::text IS NULL OR l.queue = $1
+), page AS (
+    SELECT s.id, s.run_at
+    FROM lanes AS l CROSS JOIN LATERAL (
+        SELECT j.id, j.run_at FROM nasiko_queue_jobs AS j
+        WHERE j.state = 'available' AND j.queue = l.queue AND j.priority = l.priority
+          AND j.run_at > now()
+        ORDER BY j.run_at, j.id
+        LIMIT $2) AS s
+    WHERE $1::text IS NULL OR l.queue = $1
+    ORDER BY s.run_at, s.id
+    LIMIT $2
+)
+SELECT j.id, j.queue, j.kind, j.priority, j.attempt, j.max_attempts, j.run_at, j.created_at
+FROM nasiko_queue_jobs AS j
+WHERE j.id = ANY (ARRAY(SELECT id FROM page))
+ORDER BY j.run_at, j.id;
 
 -- name: plain_run_now
 -- "Run now": an available plain job ($1) due at once (its run_at moved to now,
@@ -1743,8 +1786,8 @@ WHERE c.oid IN (to_regclass('nasiko_queue_jobs'), to_regclass('build_jobs'));
 -- name: plain_queue_live_counts
 -- The overview: per queue of plain jobs, the jobs due, scheduled and running,
 -- and how long the oldest due one has waited; reads only unfinished rows, each
--- state through its own partial index (nasiko_queue_jobs_due,
--- nasiko_queue_jobs_running), however long the history.
+-- state through its own partial index (nasiko_queue_jobs_claim,
+-- nasiko_queue_jobs_running_queue), however long the history.
 SELECT queue, sum(available)::int AS available, sum(scheduled)::int AS scheduled,
        sum(running)::int AS running, max(oldest) AS oldest_available_age
 FROM (
