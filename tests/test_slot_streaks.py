@@ -16,7 +16,7 @@ from typing import ClassVar
 import attrs
 import trio
 
-from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue
+from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Worker
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE, running
@@ -130,3 +130,36 @@ async def test_a_run_that_swallows_its_cancel_and_returns_keeps_its_outcome(
     assert (await _states(q))[0] == ("completed", 1, None)
     assert await q.db.fetchval("SELECT result FROM nasiko_queue_jobs WHERE id = $1",
                                first) == '{"swallowed": true}'
+
+
+async def test_a_hard_stop_as_a_run_passes_its_limit_gives_the_job_back(queue: Queue) -> None:
+    """
+    A hard stop, and the run's limit passing during the executor's shielded
+    clean-up: both cancel its scope. The stop wins, as it did when each run had
+    a scope of its own: the job goes back at once. (Found in review: the spent
+    scope was settled as a timeout, whose writes the stop then cut short, and
+    the job stayed running until the leader's rescue.)
+    """
+    started = trio.Event()
+    limit = 0.05
+    executors = Executors()
+
+    @executors.register(Item, timeout=limit)
+    async def item(ctx: PlainJobContext[Item]) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):  # a clean-up that outlasts the limit
+                await trio.sleep(2 * limit)
+
+    q = _one_slot(queue)
+    await q.enqueue(Item(n=0))
+    worker = Worker(q, executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await started.wait()
+            nursery.cancel_scope.cancel()  # the hard stop
+    assert (worker.stats.released, worker.stats.timed_out) == (1, 0)
+    assert await _states(q) == {0: ("available", 1, None)}  # its attempt counted

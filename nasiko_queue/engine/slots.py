@@ -151,6 +151,7 @@ class Slots(abc.ABC, Generic[S]):
         closes (False) or the scope is spent (True: the caller opens another).
         """
         scope = trio.CancelScope()
+        cut: _Cut | None = None
         try:
             with scope:
                 while not scope.cancel_called:
@@ -158,7 +159,9 @@ class Slots(abc.ABC, Generic[S]):
                     if job is None:
                         return False
                     await self._run_job(job, scope)
-        except _Cut as cut:
+        except _Cut as exc:
+            cut = exc
+        if cut is not None:
             # Out of the spent scope: the job's outcome can be written now.
             finish: Finish | None = None
             try:
@@ -253,10 +256,13 @@ class Slots(abc.ABC, Generic[S]):
         """
         scope = trio.CancelScope()
         finish: Finish | None = None
+        cut: _Cut | None = None
         try:
             with scope:
                 finish = await self.run_claimed(job, scope)
-        except _Cut as cut:
+        except _Cut as exc:
+            cut = exc
+        if cut is not None:  # settled out of the spent scope
             finish = await self._settle_cut(cut)
         return finish
 
@@ -332,6 +338,13 @@ class Slots(abc.ABC, Generic[S]):
         if cut.outcome is None:  # it returned as the cancel came: its outcome stands
             return await cut.settle(Ran.RETURNED, None)
         rest = _uncancelled(cut.outcome)
+        if rest is None and trio.current_effective_deadline() == -math.inf:
+            # A hard stop came too: as with a scope of the job's own, which
+            # leaves a cancellation from outside to the scope that made it, the
+            # stop wins. The job goes back now; settling it would await under
+            # the stop and leave it running.
+            await self._release(job)
+            raise cut.outcome
         if isinstance(rest, Exception):  # it raised something else too: a crash
             return await cut.settle(*await self._crashed(job, label, rest, cut.secrets))
         if rest is not None:  # a KeyboardInterrupt or the like: as a hard stop
