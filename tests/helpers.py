@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +27,29 @@ async def job_row(db: Database, job_id: UUID) -> dict[str, Any] | None:
         job_id,
     )
     return None if row is None else dict(row)
+
+
+async def generic_plan_pages(db: Database, sql: str, types: str, args: str) -> int:
+    """Pages (shared buffers hit or read) one run of `sql` reads on its generic
+    plan, as the engine runs it: `types` its parameters' types, `args` their
+    values as SQL. Rolled back: a claim measured so is not kept."""
+
+    async def explain(conn: Any) -> int:
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(f"PREPARE nq_pages({types}) AS\n{sql}")
+            text = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+                                       f"EXECUTE nq_pages({args})")
+        finally:
+            await tx.rollback()
+            await conn.execute("DEALLOCATE nq_pages")
+        plan = json.loads(text)[0]["Plan"]
+        return int(plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0))
+
+    pages: int = await db.run(explain)
+    return pages
 
 
 async def agent_state(db: Database, agent_id: UUID) -> str | None:

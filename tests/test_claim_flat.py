@@ -10,7 +10,6 @@ engine runs it.
 
 from __future__ import annotations
 
-import json
 from typing import Any, ClassVar
 
 import attrs
@@ -23,6 +22,7 @@ from nasiko_queue.db.statements import Q
 from nasiko_queue.plain.store import PlainJobStore
 
 from .conftest import FAST
+from .helpers import generic_plan_pages
 
 KINDS = [t.kind for t in BUILTIN_PAYLOAD_TYPES]
 
@@ -46,25 +46,8 @@ async def _schedule_later(db: Database, n: int, priority: int) -> None:
 
 async def _claim_pages(db: Database) -> int:
     """Pages one claim of queue 'ticks' reads, on the generic plan (rolled back)."""
-
-    async def explain(conn: Any) -> int:
-        tx = conn.transaction()
-        await tx.start()
-        try:
-            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            await conn.execute("PREPARE nq_flat(text, int, uuid, uuid, int, uuid[]) AS\n"
-                               + Q.plain_claim)
-            text = await conn.fetchval(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
-                "EXECUTE nq_flat('ticks', 1, gen_random_uuid(), NULL, 1000000, '{}')")
-        finally:
-            await tx.rollback()  # the claim is not kept
-            await conn.execute("DEALLOCATE nq_flat")
-        plan = json.loads(text)[0]["Plan"]
-        return int(plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0))
-
-    pages: int = await db.run(explain)
-    return pages
+    return await generic_plan_pages(db, Q.plain_claim, "text, int, uuid, uuid, int, uuid[]",
+                                    "'ticks', 1, gen_random_uuid(), NULL, 1000000, '{}'")
 
 
 async def test_jobs_scheduled_later_at_a_more_urgent_priority_cost_the_claim_nothing(

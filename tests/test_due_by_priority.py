@@ -11,9 +11,8 @@ machine's load) on the generic plans the engine runs.
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 
@@ -24,6 +23,7 @@ from nasiko_queue.db.statements import Q
 from nasiko_queue.plain.store import PlainJobStore
 
 from .conftest import FAST
+from .helpers import generic_plan_pages
 
 #: The scheduled listing's page size in the cost test.
 PAGE = 50
@@ -44,27 +44,6 @@ async def _add(db: Database, queue: str, n: int, priority: int, in_secs: float) 
         "SELECT gen_random_uuid(), $1, 'tick', '{\"n\": 0}', $2, 5, "
         "now() + make_interval(secs => $3 + g) FROM generate_series(0, $4 - 1) AS g",
         queue, priority, in_secs, n)
-
-
-async def _pages(db: Database, sql: str, types: str, args: str) -> int:
-    """Pages one run of `sql` reads on its generic plan (rolled back)."""
-
-    async def explain(conn: Any) -> int:
-        tx = conn.transaction()
-        await tx.start()
-        try:
-            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            await conn.execute(f"PREPARE nq_due({types}) AS\n{sql}")
-            text = await conn.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
-                                       f"EXECUTE nq_due({args})")
-        finally:
-            await tx.rollback()
-            await conn.execute("DEALLOCATE nq_due")
-        plan = json.loads(text)[0]["Plan"]
-        return int(plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0))
-
-    pages: int = await db.run(explain)
-    return pages
 
 
 async def test_next_due_and_the_scheduled_listing_across_priorities_and_queues(
@@ -102,13 +81,13 @@ async def test_a_backlog_costs_next_due_and_the_scheduled_listing_nothing(
     queries = [(Q.plain_next_due, "text, double precision", "'ticks', 1.0"),
                (Q.jobs_scheduled, "text, int", f"'ticks', {PAGE}"),
                (Q.jobs_scheduled, "text, int", f"NULL, {PAGE}")]
-    few = [await _pages(db, *q) for q in queries]
+    few = [await generic_plan_pages(db, *q) for q in queries]
     for priority in (-1, 0, 2):
         await _add(db, "ticks", 9_000, priority=priority, in_secs=-7200)
         await _add(db, "ticks", 9_000, priority=priority, in_secs=3600)
     await _add(db, "other", 9_000, priority=0, in_secs=3600)
     await db.execute("VACUUM ANALYZE nasiko_queue_jobs")
-    many = [await _pages(db, *q) for q in queries]
+    many = [await generic_plan_pages(db, *q) for q in queries]
     table = await db.fetchval("SELECT pg_relation_size('nasiko_queue_jobs') / 8192")
     # 19 times the jobs. next_due makes a few probes, each an index level
     # deeper at most. The listing reads its page's rows by primary key, an
