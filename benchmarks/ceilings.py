@@ -88,7 +88,7 @@ def same_sql(dsn: str, n_jobs: int, batch: int, streams: int = 1) -> float:
                 Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
                 [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
                 [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
-                kinds, known, MAX_PAYLOAD_BYTES, uuid.uuid4(), None, [None] * len(rows))
+                kinds, known, MAX_PAYLOAD_BYTES, uuid.uuid4(), None)
             rows = [r for r in got if r["id"] is not None]
         return done
 

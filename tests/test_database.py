@@ -5,6 +5,7 @@ the server goes away (a private server, so the shared one is never touched).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -153,7 +154,8 @@ async def test_queue_statements_keep_generic_plans_and_application_sql_does_not(
     assert await db.fetchval("SHOW plan_cache_mode") == "auto"
 
 
-@pytest.mark.parametrize("name", ["job_claim", "jobs_finish_many_and_claim", "jobs_unclaim",
+@pytest.mark.parametrize("name", ["job_claim", "jobs_finish_many_and_claim",
+                                  "jobs_finish_reported_and_claim", "jobs_unclaim",
                                   "jobs_unclaim_lost"])
 async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
     queue: Queue, name: str
@@ -178,6 +180,10 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
         "job_claim": ("int, text[], text[], int, uuid, uuid",
                       f"10, {kinds}, {kinds}, 1000, gen_random_uuid(), gen_random_uuid()"),
         "jobs_finish_many_and_claim": (
+            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid",
+            f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
+            "gen_random_uuid(), gen_random_uuid()"),
+        "jobs_finish_reported_and_claim": (
             "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid, "
             "text[]",
             f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
@@ -193,7 +199,9 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
 
 
 @pytest.mark.parametrize("name", ["jobs_finish_many_and_claim",
-                                  "jobs_finish_many_and_claim_kinds"])
+                                  "jobs_finish_many_and_claim_kinds",
+                                  "jobs_finish_reported_and_claim",
+                                  "jobs_finish_reported_and_claim_kinds"])
 async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
     queue: Queue, name: str
 ) -> None:
@@ -217,9 +225,11 @@ async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
         "FROM generate_series(1, 2000)", agent)
     kinds = "'{Upload}'::text[]"
     ids = "ARRAY[gen_random_uuid()]"
-    types = "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid, text[]"
+    types = "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid"
     args = (f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
-            "gen_random_uuid(), gen_random_uuid(), ARRAY['success']")
+            "gen_random_uuid(), gen_random_uuid()")
+    if "reported" in name:
+        types, args = types + ", text[]", args + ", ARRAY['success']"
 
     plan = await generic_plan(queue.db, getattr(Q, name), types, args)
     assert "status = 'in_progress'" not in plan, plan
@@ -270,24 +280,53 @@ async def test_every_named_statement_is_valid_sql_for_the_schema(db: Database) -
     assert await db.run(prepare_all) == []
 
 
-def test_the_kinds_finish_statement_is_the_base_with_its_claim_replaced() -> None:
-    """`jobs_finish_many_and_claim_kinds` is written in queries.sql as its claim
-    alone; the loader builds the rest from `jobs_finish_many_and_claim`, so that the
-    two cannot drift (a fix to the finish once had to be made twice)."""
-    import re
-
+@pytest.mark.parametrize("base", ["jobs_finish_many_and_claim",
+                                  "jobs_finish_reported_and_claim"])
+def test_the_kinds_finish_statements_are_their_base_with_the_other_claim(base: str) -> None:
+    """Each finish-and-claim statement includes `job_claim`; its `_kinds` twin is
+    written in queries.sql as a line that derives it, and the loader builds it from
+    the base with `job_claim_kinds` included instead, so that the two cannot drift
+    (a fix to the finish once had to be made twice)."""
     from nasiko_queue.db.statements import Q, parse
 
-    def without_claim(text: str) -> str:
-        text = re.sub(r"-- pending ids:\n.*?-- end of pending ids\n", "", text, flags=re.S)
-        return "\n".join(line for line in text.splitlines() if not line.startswith("--"))
+    def code(text: str) -> str:  # its lines, stripped, without comments
+        return "\n".join(line.strip() for line in text.splitlines()
+                         if line.strip() and not line.lstrip().startswith("--"))
 
-    base, kinds = Q.jobs_finish_many_and_claim, Q.jobs_finish_many_and_claim_kinds
-    assert without_claim(base) == without_claim(kinds)
-    assert "WITH RECURSIVE present" in kinds
-    assert "WITH RECURSIVE present" not in base
+    def shifted(text: str) -> str:  # a claim's $1-$6 as the finish's $6-$11
+        return code(re.sub(r"\$(\d+)", lambda m: f"${int(m[1]) + 5}", text))
+
+    full, kinds = getattr(Q, base), getattr(Q, base + "_kinds")
+    claim, claim_kinds = shifted(Q.job_claim), shifted(Q.job_claim_kinds)
+    assert claim in code(full)
+    assert claim_kinds not in code(full)
+    assert code(kinds) == code(full).replace(claim, claim_kinds)
     with pytest.raises(ValueError, match="must come before it"):
-        parse("-- name: b\n-- derived from a: its pending ids are these instead.\nSELECT 1;\n")
+        parse("-- name: b\n-- derived from a: it includes c for d.\n")
+    with pytest.raises(ValueError, match="no single include of 'd'"):
+        parse("-- name: a\nSELECT 1;\n-- name: b\n-- derived from a: it includes c for d.\n")
+
+
+def test_a_finish_with_nothing_reported_leaves_the_build_rows_alone() -> None:
+    """`jobs_finish_many_and_claim`, sent when no executor of the batch reported
+    through its context, neither locks nor writes a build row: the server
+    prepares every part of a statement each time it runs it, used or not, so the
+    folded writes live in `jobs_finish_reported_and_claim` alone (issue #25)."""
+    from nasiko_queue.db.statements import Q
+
+    for name in ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds"):
+        text = code_of(getattr(Q, name))
+        for writes in ("UPDATE agent_builds", "UPDATE mcp_connector_builds", "FOR UPDATE\n",
+                       "$12"):
+            assert writes not in text, (name, writes)
+    reported = code_of(Q.jobs_finish_reported_and_claim)
+    assert "UPDATE agent_builds" in reported
+    assert "$12" in reported
+
+
+def code_of(text: str) -> str:
+    """A statement's text without its comment lines."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
 
 
 def test_the_plain_finish_claims_with_the_text_of_plain_claim() -> None:

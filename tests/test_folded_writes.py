@@ -2,8 +2,8 @@
 An executor's build-row writes folded into the worker's own statements (issue #13).
 
 `ctx.report_success()` / `ctx.report_failure()` have the completer's statement
-(`jobs_finish_many_and_claim` and its `_kinds` twin) write the build row together
-with the job's done or failed; `ctx.mark_building()` rides on the worker's next
+(`jobs_finish_reported_and_claim` and its `_kinds` twin, sent for a batch in which
+something was reported) write the build row together with the job's done or failed; `ctx.mark_building()` rides on the worker's next
 statement. "Together" is checked on the rows themselves: two rows written by one
 transaction carry the same `xmin`, and the worker's finish is one autocommitted
 statement, so equal `xmin`s mean one statement wrote both.
@@ -287,6 +287,50 @@ async def test_two_reports_on_one_build_row_in_one_statement_agree(queue: Queue)
         [(a, first.build_id, BuildReport.SUCCESS), (b, first.build_id, BuildReport.FAILED)], 0)
     assert statuses == {first.job_id: JobStatus.FAILED, second_id: JobStatus.FAILED}
     assert await build_state(queue.db, first.build_id) == "failed"
+
+
+@pytest.mark.parametrize("runs", ["every kind", "Upload only"])
+async def test_only_a_batch_with_a_report_is_sent_with_the_build_row_writes(
+    queue: Queue, monkeypatch: pytest.MonkeyPatch, runs: str
+) -> None:
+    """A batch in which nothing was reported goes as `jobs_finish_many_and_claim`
+    (the build row decides as it stands, nothing locked or written), one with a
+    report, even beside unreported finishes, as `jobs_finish_reported_and_claim`:
+    the server prepares every part of a statement each run, used or not, so the
+    unused writes cost every no-op batch (issue #25). Each finishes as it should."""
+    import nasiko_queue.builds.store as store_module
+    from nasiko_queue.db.statements import Q
+
+    sent: list[str] = []
+    real = store_module.fetch_claiming
+
+    async def recording(db: Any, sql: str, args: Any, **kw: Any) -> Any:
+        sent.append(sql)
+        return await real(db, sql, args, **kw)
+
+    monkeypatch.setattr(store_module, "fetch_claiming", recording)
+    kinds = frozenset(KINDS) if runs == "every kind" else frozenset({"Upload"})
+    store = PgJobStore(queue.db, queue.config, runnable_kinds=kinds,
+                       known_kinds=frozenset(KINDS))
+    suffix = "" if runs == "every kind" else "_kinds"
+    jobs = [await enqueue_with_target(queue, "Upload") for _ in range(3)]
+    await set_build_status(queue.db, jobs[0].payload, "success")
+    claimed = await store.claim(3)
+    by_id = {j.job_id: j for j in jobs}
+    first = [(c, by_id[c.id].build_id, None) for c in claimed if c.id == jobs[0].job_id]
+    rest = [(c, by_id[c.id].build_id, BuildReport.SUCCESS if c.id == jobs[1].job_id else None)
+            for c in claimed if c.id != jobs[0].job_id]
+    sent.clear()
+
+    unreported, _ = await store.finish_many_and_claim(first, 1)
+    reported, _ = await store.finish_many_and_claim(rest, 1)
+
+    assert sent == [getattr(Q, "jobs_finish_many_and_claim" + suffix),
+                    getattr(Q, "jobs_finish_reported_and_claim" + suffix)]
+    assert unreported == {jobs[0].job_id: JobStatus.DONE}
+    assert reported == {jobs[1].job_id: JobStatus.DONE, jobs[2].job_id: JobStatus.FAILED}
+    assert await build_state(queue.db, jobs[1].build_id) == "success"
+    assert await build_state(queue.db, jobs[2].build_id) == "queued"
 
 
 # -- the start of a build: mark_building ----------------------------------------------

@@ -38,6 +38,12 @@ from nasiko_queue.testing.runner import expect_failure
 #: run of the machine has. Hypothesis stops at the first failure and shrinks it.
 HUNT = profile()
 
+#: The build jobs' finish statements: without and with the executors' reports,
+#: each for every kind and for some (the machine's worker runs every kind; a
+#: mutant planted in all four cannot hide in the one a run does not send).
+_EVERY_FINISH = ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds",
+                 "jobs_finish_reported_and_claim", "jobs_finish_reported_and_claim_kinds")
+
 
 async def _expect_failure(dsn: str, machine: type[QueueStateMachine], *,
                           rule_timeout: float = 20.0, shrink: bool = True) -> str:
@@ -180,11 +186,11 @@ async def test_finds_a_finish_that_takes_any_status_but_failed_as_success(
     """Only a run that returns with its build row neither 'success' nor 'failed'
     shows this bug, so the machine's executors play those outcomes (the default
     examples, which follow the machine's source, may hold too few of them)."""
-    plant_sql(monkeypatch, nasiko_queue.builds.store, jobs_finish_many_and_claim=(
+    plant_sql(monkeypatch, nasiko_queue.builds.store, **dict.fromkeys(_EVERY_FINISH, (
         "SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,\n"
         "        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,",
         "SET status = CASE WHEN o.build_status = 'failed' THEN 'failed' ELSE 'done' END,\n"
-        "        error_msg = CASE WHEN o.build_status = 'failed' THEN $5 END,"))
+        "        error_msg = CASE WHEN o.build_status = 'failed' THEN $5 END,")))
     notes = await _expect_failure(dsn, _Unreported, shrink=False)
     assert "state.enqueue(" in notes, notes
 
@@ -202,17 +208,18 @@ async def test_finds_final_writes_that_do_not_check_the_claim_is_current(
 ) -> None:
     """A write guarded by the job id and status only, not by the claim's attempt:
     a worker whose claim was handed on overwrites its successor's."""
-    statement, guard = {
-        "finish": ("jobs_finish_many_and_claim",
+    statements, guard = {
+        "finish": (_EVERY_FINISH,
                    "AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt"),
-        "fail": ("job_fail", "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
-        "reset": ("job_reset_to_pending",
+        "fail": (("job_fail",), "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
+        "reset": (("job_reset_to_pending",),
                   "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
     }[write]
     # The attempt is still passed, but no longer compared with the row's.
     unguarded = guard.rsplit(" AND ", 1)[0] + (
         " AND $2::int IS NOT NULL" if write != "finish" else "")
-    plant_sql(monkeypatch, nasiko_queue.builds.store, **{statement: (guard, unguarded)})
+    plant_sql(monkeypatch, nasiko_queue.builds.store,
+              **dict.fromkeys(statements, (guard, unguarded)))
     # Which rule meets the stale write first depends on timing (a hard stop's
     # release is a reset too); any failing example counts.
     await _expect_failure(dsn, QueueStateMachine, shrink=False)
@@ -316,7 +323,7 @@ async def test_finds_a_wake_that_blocks(dsn: str) -> None:
 # (`ScriptedWorld.via_ctx`), so the folded path meets every rule; each mutant breaks
 # that path alone.
 
-_FINISHES = ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds")
+_FINISHES = ("jobs_finish_reported_and_claim", "jobs_finish_reported_and_claim_kinds")
 
 
 def _in_both_finishes(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:

@@ -95,8 +95,13 @@ class PgJobStore:
         self._claim_sql = Q.job_claim_kinds if subset else Q.job_claim
         if not config.claim_synchronous_commit:
             self._claim_sql = without_flush_wait(self._claim_sql)
+        # A batch in which nothing was reported goes without the build-row writes
+        # (`jobs_finish_many_and_claim`): the server prepares every part of a
+        # statement on each run, so unused writes still cost it (issue #25).
         self._finish_sql = (Q.jobs_finish_many_and_claim_kinds if subset
                             else Q.jobs_finish_many_and_claim)
+        self._finish_reported_sql = (Q.jobs_finish_reported_and_claim_kinds if subset
+                                     else Q.jobs_finish_reported_and_claim)
         self._bound = config.cleanup_timeout
         #: The worker this store claims for (`build_jobs.claimed_by`), once it
         #: registered; None: claims name no worker (the 60-minute rule covers
@@ -159,7 +164,7 @@ class PgJobStore:
         sent = [(j, b, r.value if isinstance(r, BuildReport) else None)
                 for j, b, r in finishing]
         sent += [(j, b, "building") for j, b in starts]
-        args = (
+        args: tuple[object, ...] = (
             [j.id for j, _, _ in sent],
             [j.attempt for j, _, _ in sent],
             [j.is_connector_job for j, _, _ in sent],
@@ -171,9 +176,11 @@ class PgJobStore:
             self._config.max_payload_bytes,
             token,
             self.worker_id,
-            [r for _, _, r in sent],
         )
-        rows = await fetch_claiming(self._db, self._finish_sql, args, token=token,
+        sql = self._finish_sql
+        if any(r is not None for _, _, r in sent):
+            sql, args = self._finish_reported_sql, (*args, [r for _, _, r in sent])
+        rows = await fetch_claiming(self._db, sql, args, token=token,
                                     claims=limit > 0, bound=self._bound)
         statuses: dict[UUID, JobStatus | None] = {}
         claimed: list[ClaimedJob] = []

@@ -481,17 +481,70 @@ WHERE id = ANY (ARRAY(
 -- Finish jobs and claim what their slots (and the prefetch buffer) have room
 -- for, in one round trip: the worker's fetcher sends it with every finish queued
 -- since its previous statement. Finish every job of the batch
--- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message) and
--- claim up to $6 next jobs ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with
--- finished_id set report a finish (finished_status: what the row holds for
--- that attempt now, NULL when gone or no longer ours; a retried batch thus
--- reports what its first try wrote); rows with id set are claimed jobs.
--- $12, one per row of $1, is what the executor reported through its context
--- (issue #13: its build-row writes folded into this statement): NULL, nothing (the
--- build row decides as it stands); 'success' or 'failed', a finish that also writes
--- the build row, atomically with the job's done or failed (a connector build's
--- completed_at too), unless that row is already 'success' or 'failed' (then it
--- stays, and decides); 'building', no finish at all but a start write
+-- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message):
+-- done when its build row says 'success', else failed. Claim up to $6 next jobs
+-- ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with finished_id set report
+-- a finish (finished_status: what the row holds for that attempt now, NULL when
+-- gone or no longer ours; a retried batch thus reports what its first try
+-- wrote); rows with id set are claimed jobs.
+-- This is the statement for a batch in which no executor reported through its
+-- context; `jobs_finish_reported_and_claim` writes the reports too. Kept apart
+-- because the server prepares every part of a statement on every run, used or
+-- not: the build-row locks and writes, unused here, made a batch of five no-op
+-- jobs cost the server 24 us a job more (issue #25).
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
+        AS i(id, attempt, is_connector, build_id)
+), outcome AS (
+    -- What decides each finish: the build row as it stands.
+    SELECT i.id, i.attempt, i.build_id,
+           CASE WHEN i.is_connector
+                THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
+                ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
+           END AS build_status
+    FROM input AS i
+), finished AS (
+    UPDATE build_jobs AS j
+    SET status = CASE WHEN o.build_status = 'success' THEN 'done' ELSE 'failed' END,
+        error_msg = CASE WHEN o.build_status = 'success' THEN NULL ELSE $5 END,
+        completed_at = now()
+    FROM outcome AS o
+    -- A primary-key probe per finished job: the status test is written so that no
+    -- index on status matches it, or the plan (generic ones most of all, which
+    -- take in_progress for rare) reads every in_progress row of every worker.
+    WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
+      AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
+    RETURNING j.id, j.status
+), claimed AS (
+    -- include job_claim, its $1-$6 as $6-$11
+)
+SELECT i.id AS finished_id,
+       coalesce(f.status, (SELECT c.status FROM build_jobs AS c
+                           WHERE c.id = i.id AND c.attempt = i.attempt
+                             AND c.status IN ('done', 'failed'))) AS finished_status,
+       NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
+       NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
+       NULL::timestamptz AS created_at, NULL::boolean AS target_soft_deleted
+FROM input AS i LEFT JOIN finished AS f ON f.id = i.id
+UNION ALL
+SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.old_attempt,
+       c.created_at, c.target_soft_deleted
+FROM claimed AS c;
+
+-- name: jobs_finish_many_and_claim_kinds
+-- derived from jobs_finish_many_and_claim: it includes job_claim_kinds for job_claim.
+-- `jobs_finish_many_and_claim` for a replica that runs only some of the known
+-- kinds: its claim is `job_claim_kinds`'s (the same arguments, the same result).
+
+-- name: jobs_finish_reported_and_claim
+-- `jobs_finish_many_and_claim` for a batch in which an executor reported through
+-- its context (issue #13: its build-row writes folded into this statement), or
+-- one that carries start writes: the same arguments and result, and $12, one per
+-- row of $1, what was reported: NULL, nothing (the build row decides as it
+-- stands); 'success' or 'failed', a finish that also writes the build row,
+-- atomically with the job's done or failed (a connector build's completed_at
+-- too), unless that row is already 'success' or 'failed' (then it stays, and
+-- decides); 'building', no finish at all but a start write
 -- (`JobContext.mark_building`): the build row goes from 'queued' ('pending' for a
 -- connector) to 'building', and from nothing else.
 WITH input AS (
@@ -590,26 +643,7 @@ WITH input AS (
       AND NOT EXISTS (SELECT 1 FROM report AS r WHERE r.build_id = i.build_id AND r.is_connector)
       AND (SELECT count(*) FROM locked) >= 0
 ), claimed AS (
-    UPDATE build_jobs AS j
-    SET status = 'in_progress', picked_at = now(), attempt = j.attempt + 1, claim_token = $10,
-        claimed_by = $11
-    WHERE j.id = ANY (ARRAY(  -- as in job_claim
-        -- pending ids:
-        SELECT id
-        FROM build_jobs
-        WHERE status = 'pending'
-          AND (payload ->> 'kind' = ANY ($7::text[])
-               OR NOT coalesce(payload ->> 'kind' = ANY ($8::text[]), false))
-        ORDER BY created_at
-        LIMIT $6
-        FOR UPDATE SKIP LOCKED
-        -- end of pending ids
-        ))
-    RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
-              CASE WHEN octet_length(j.payload::text) <= $9 THEN j.payload::text END AS payload,
-              j.attempt - 1 AS old_attempt, j.created_at,
-              coalesce((SELECT a.deleted_at IS NOT NULL FROM agents AS a
-                        WHERE a.id = j.agent_id), false) AS target_soft_deleted
+    -- include job_claim, its $1-$6 as $6-$11
 )
 SELECT i.id AS finished_id,
        coalesce(f.status, (SELECT c.status FROM build_jobs AS c
@@ -625,35 +659,10 @@ SELECT NULL, NULL, c.id, c.agent_id, c.connector_id, c.owner_id, c.payload, c.ol
        c.created_at, c.target_soft_deleted
 FROM claimed AS c;
 
--- name: jobs_finish_many_and_claim_kinds
--- derived from jobs_finish_many_and_claim: its pending ids are these instead.
--- `jobs_finish_many_and_claim` for a replica that runs only some of the known
--- kinds: its claim is `job_claim_kinds`'s (the same arguments, the same result).
--- The loader (`statements.py`) writes the statement out: everything but the pending
--- ids is the base statement's, so that a fix to the finish lands in both.
-        WITH RECURSIVE present AS (
-            (SELECT left(coalesce(payload ->> 'kind', ''), 100) AS kind FROM build_jobs
-             WHERE status = 'pending'
-             ORDER BY left(coalesce(payload ->> 'kind', ''), 100) LIMIT 1)
-            UNION ALL
-            SELECT (SELECT left(coalesce(b.payload ->> 'kind', ''), 100) FROM build_jobs AS b
-                    WHERE b.status = 'pending'
-                      AND left(coalesce(b.payload ->> 'kind', ''), 100) > present.kind
-                    ORDER BY left(coalesce(b.payload ->> 'kind', ''), 100) LIMIT 1)
-            FROM present WHERE present.kind IS NOT NULL
-        ), wanted AS (
-            SELECT k.kind FROM unnest($7::text[]) AS k(kind)
-            UNION
-            SELECT kind FROM present WHERE kind IS NOT NULL AND NOT kind = ANY ($8::text[])
-        )
-        SELECT p.id
-        FROM wanted CROSS JOIN LATERAL (
-            SELECT id, created_at FROM build_jobs
-            WHERE status = 'pending' AND left(coalesce(payload ->> 'kind', ''), 100) = wanted.kind
-            ORDER BY created_at LIMIT $6
-            FOR UPDATE SKIP LOCKED) AS p
-        ORDER BY p.created_at
-        LIMIT $6;
+-- name: jobs_finish_reported_and_claim_kinds
+-- derived from jobs_finish_reported_and_claim: it includes job_claim_kinds for job_claim.
+-- `jobs_finish_reported_and_claim` for a replica that runs only some of the
+-- known kinds, as `jobs_finish_many_and_claim_kinds` is.
 
 -- name: jobs_unclaim
 -- Give back jobs that were claimed but never started (prefetched, or claimed

@@ -76,6 +76,8 @@ class Queries:
     jobs_prune: str
     jobs_finish_many_and_claim: str
     jobs_finish_many_and_claim_kinds: str
+    jobs_finish_reported_and_claim: str
+    jobs_finish_reported_and_claim_kinds: str
     jobs_unclaim: str
     jobs_unclaim_lost: str
     backend_end: str
@@ -194,11 +196,9 @@ class Queries:
     limits_list: str
 
 
-#: A statement written as another with a different claim: its first line names the
-#: base, and its body (after its comments) is the pending-ids subquery to use.
-_DERIVED = re.compile(r"\A-- derived from (\w+): its pending ids are these instead\.\n")
-#: The pending-ids subquery of a base statement, between these two comment lines.
-_PENDING_IDS = re.compile(r"(-- pending ids:\n)(.*?)(\s*-- end of pending ids\n)", re.DOTALL)
+#: A statement written as another that includes a different statement: its first
+#: line names the base and the swap; it has no text of its own but its comments.
+_DERIVED = re.compile(r"\A-- derived from (\w+): it includes (\w+) for (\w+)\.\n")
 #: A line that stands for a whole earlier statement (its comments left out), with
 #: its parameters renumbered: ``-- include plain_claim, its $1-$5 as $3-$7``.
 _INCLUDE = re.compile(r"^([ \t]*)-- include (\w+), its \$1-\$(\d+) as \$(\d+)-\$(\d+)$",
@@ -210,10 +210,10 @@ def parse(text: str) -> dict[str, str]:
     """
     Split a named-query file into {name: statement}, comments kept, ';' dropped.
 
-    A statement whose first line is ``-- derived from BASE: its pending ids are
-    these instead.`` is BASE with the subquery between BASE's ``-- pending ids:``
-    and ``-- end of pending ids`` lines replaced by its own body: the two
-    finish-and-claim statements share every line but their claim's.
+    A statement whose first line is ``-- derived from BASE: it includes NEW for
+    OLD.`` is BASE with its one ``-- include OLD`` line naming NEW instead (its
+    own comments first): a finish-and-claim statement and its `_kinds` twin share
+    every line but the claim they include.
 
     A line ``-- include NAME, its $1-$N as $A-$B`` stands for the earlier statement
     NAME, written in at the line's indentation without its leading comments, its
@@ -223,13 +223,15 @@ def parse(text: str) -> dict[str, str]:
     parts = _NAME.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     out: dict[str, str] = {}
+    written: dict[str, str] = {}  # as written, includes not yet expanded
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in out:
             raise ValueError(f"queries.sql: statement {name!r} is defined twice")
         body = body.strip().rstrip(";").strip()
         derived = _DERIVED.match(body + "\n")
         if derived:
-            body = _derive(name, derived.group(1), body, out)
+            body = _derive(name, body, *derived.groups(), written=written)
+        written[name] = body
         out[name] = _INCLUDE.sub(partial(_include, name, parsed=out), body)
     return out
 
@@ -254,19 +256,20 @@ def _include(name: str, line: re.Match[str], *, parsed: dict[str, str]) -> str:
     return "\n".join(indent + row if row else row for row in renumbered.splitlines())
 
 
-def _derive(name: str, base_name: str, body: str, parsed: dict[str, str]) -> str:
-    base = parsed.get(base_name)
+def _derive(name: str, body: str, base_name: str, new: str, old: str, *,
+            written: dict[str, str]) -> str:
+    base = written.get(base_name)
     if base is None:
         raise ValueError(f"queries.sql: {name!r} is derived from {base_name!r}, "
                          "which must come before it")
-    lines = body.splitlines()
-    comments = [line for line in lines if line.startswith("--")]
-    # Its comments go first, the base's text follows with the new subquery in it.
-    subquery = "\n".join(lines[len(comments):]).strip("\n")
-    if len(_PENDING_IDS.findall(base)) != 1:
-        raise ValueError(f"queries.sql: {base_name!r} has no single pending-ids block")
-    derived = _PENDING_IDS.sub(lambda m: m.group(1) + subquery + m.group(3), base)
-    return "\n".join(comments[1:]) + "\n" + derived
+    includes = [m for m in _INCLUDE.finditer(base) if m.group(2) == old]
+    if len(includes) != 1:
+        raise ValueError(f"queries.sql: {base_name!r} has no single include of {old!r}")
+    line = includes[0]
+    swapped = base[:line.start(2)] + new + base[line.end(2):]
+    # Its comments go first (but the line that derives it), the base's text follows.
+    comments = [row for row in body.splitlines()[1:] if row.startswith("--")]
+    return "\n".join(comments) + "\n" + swapped
 
 
 def load() -> Queries:

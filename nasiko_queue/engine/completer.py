@@ -15,7 +15,9 @@ statement writes to the build row, and a start write (`JobContext.mark_building`
 is queued here and, once `START_WRITE_DELAY` has passed, rides on the next
 statement as well (alone only when none is in flight); a report that comes first
 supersedes it. So an executor's two build-row writes cost no round trip of their
-own.
+own. A batch that carries any of them is sent as
+`jobs_finish_reported_and_claim`; one that carries none, as the leaner
+`jobs_finish_many_and_claim`, which neither locks nor writes a build row.
 
 A batch that fails is sent again under the retry policy (`RetryPolicy.final`):
 each finish is guarded by its claim, so one that landed on an earlier try is
