@@ -324,6 +324,32 @@ def test_a_finish_with_nothing_reported_leaves_the_build_rows_alone() -> None:
     assert "$12" in reported
 
 
+def test_the_two_finishes_share_their_finish_and_result_lines() -> None:
+    """`jobs_finish_many_and_claim` and `jobs_finish_reported_and_claim` are two
+    statements (the server sets up every part of a plan it runs, so the unused
+    build-row writes cost every batch), and their claim is one include; the job's
+    own finish (its status, its guard on the claim) and the rows they return are
+    spelled in each, and must stay the same but for what only the reported one has:
+    its one-time filter that takes the build rows' locks first, and the start
+    writes it leaves out of its result."""
+    from nasiko_queue.db.statements import Q
+
+    only_reported = ("AND (SELECT count(*) FROM locked) >= 0",
+                     "WHERE i.reported IS DISTINCT FROM 'building'",
+                     "RETURNING j.id, j.status, o.build_id, o.folded")
+
+    def shared(text: str) -> list[str]:
+        body = code_of(text)
+        finish = body[body.index("), finished AS ("):body.index("RETURNING j.id, j.status")]
+        result = body[body.index("SELECT i.id AS finished_id"):]
+        return [line.strip() for line in (finish + result).splitlines()
+                if line.strip() not in only_reported]
+
+    assert shared(Q.jobs_finish_many_and_claim) == shared(Q.jobs_finish_reported_and_claim)
+    assert "SET status = CASE WHEN o.build_status = 'success'" in "\n".join(
+        shared(Q.jobs_finish_many_and_claim))
+
+
 def code_of(text: str) -> str:
     """A statement's text without its comment lines."""
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))

@@ -3,9 +3,10 @@ An executor's build-row writes folded into the worker's own statements (issue #1
 
 `ctx.report_success()` / `ctx.report_failure()` have the completer's statement
 (`jobs_finish_reported_and_claim` and its `_kinds` twin, sent for a batch in which
-something was reported) write the build row together with the job's done or failed; `ctx.mark_building()` rides on the worker's next
-statement. "Together" is checked on the rows themselves: two rows written by one
-transaction carry the same `xmin`, and the worker's finish is one autocommitted
+something was reported) write the build row together with the job's done or
+failed; `ctx.mark_building()` rides on the worker's next statement. "Together" is
+checked on the rows themselves: two rows written by one transaction carry the same
+`xmin`, and the worker's finish is one autocommitted
 statement, so equal `xmin`s mean one statement wrote both.
 """
 
