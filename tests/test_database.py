@@ -310,7 +310,7 @@ def test_the_kinds_finish_statements_are_their_base_with_the_other_claim(base: s
 def test_a_finish_with_nothing_reported_leaves_the_build_rows_alone() -> None:
     """`jobs_finish_many_and_claim`, sent when no executor of the batch reported
     through its context, neither locks nor writes a build row: the server
-    prepares every part of a statement each time it runs it, used or not, so the
+    sets up every part of a plan each time it runs it, used or not, so the
     folded writes live in `jobs_finish_reported_and_claim` alone (issue #25)."""
     from nasiko_queue.db.statements import Q
 

@@ -297,7 +297,7 @@ async def test_only_a_batch_with_a_report_is_sent_with_the_build_row_writes(
     """A batch in which nothing was reported goes as `jobs_finish_many_and_claim`
     (the build row decides as it stands, nothing locked or written), one with a
     report, even beside unreported finishes, as `jobs_finish_reported_and_claim`:
-    the server prepares every part of a statement each run, used or not, so the
+    the server sets up every part of a plan each run, used or not, so the
     unused writes cost every no-op batch (issue #25). Each finishes as it should."""
     import nasiko_queue.builds.store as store_module
     from nasiko_queue.db.statements import Q

@@ -96,7 +96,7 @@ class PgJobStore:
         if not config.claim_synchronous_commit:
             self._claim_sql = without_flush_wait(self._claim_sql)
         # A batch in which nothing was reported goes without the build-row writes
-        # (`jobs_finish_many_and_claim`): the server prepares every part of a
+        # (`jobs_finish_many_and_claim`): the server sets up every part of a
         # statement on each run, so unused writes still cost it (issue #25).
         self._finish_sql = (Q.jobs_finish_many_and_claim_kinds if subset
                             else Q.jobs_finish_many_and_claim)
