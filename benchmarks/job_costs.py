@@ -5,9 +5,11 @@ Issue #25: what the adaptive look-ahead buys, and what one job costs the server.
   concurrency, with `prefetch=0` (the former default) or the default ("auto");
   the runner takes both in turn, so that their ratio meets the same noise.
 - `job_cost`: a worker at the defaults (but its concurrency) runs jobs while
-  they are being enqueued (`enqueue_many` in chunks, from the same process),
-  plain or build; per job: the WAL written (`pg_current_wal_lsn()` around the
-  run), the CPU of the server backends serving the run (user + system from
+  they are being enqueued (`enqueue_many` in chunks, from the same process):
+  plain, plain with a payload padded to a build job's size ("plain_padded": what
+  a build job costs beyond its larger payload is the difference), or build. Per
+  job: the WAL written (`pg_current_wal_lsn()` around the run), the CPU of the
+  server backends serving the run (user + system from
   `/proc/<pid>/stat` of every backend connected to the bench's database: not
   pg_stat_statements, which needs a preload this server may not have, and which
   leaves out commits and parsing), and where the bytes go: the table's heap and
@@ -23,25 +25,29 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from nasiko_queue import Executors, JobContext, PlainJobContext, Queue, Upload, open_database
+from nasiko_queue.builds.payloads import PayloadCodec
 from nasiko_queue.engine.worker import Worker
 
-from .plain import BenchPing
+from .plain import BenchPadded, BenchPing
 from .workloads import (
     BENCH_SECRETS,
     _bench_config,
     _sql,
+    bench_upload,
     enqueue_payloads,
     reset_jobs,
 )
 
 #: The job table of each kind.
-TABLES = {"plain": "nasiko_queue_jobs", "build": "build_jobs"}
+TABLES = {"plain": "nasiko_queue_jobs", "plain_padded": "nasiko_queue_jobs",
+          "build": "build_jobs"}
 #: Jobs per `enqueue_many` call of `job_cost`.
 CHUNK = 100
 #: `prefetch` as the bench names it: 0, or the default (None: "auto" for plain lanes).
@@ -51,11 +57,16 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _executors(kind: str) -> Executors:
-    """A worker of one lane: plain `BenchPing` jobs, or build `Upload` jobs; each does nothing."""
+    """A worker of one lane: plain `BenchPing` (or `BenchPadded`) jobs, or build
+    `Upload` jobs; each does nothing."""
     ex = Executors()
     if kind == "plain":
         @ex.register(BenchPing)
         async def ping(ctx: PlainJobContext[BenchPing]) -> None:
+            return None
+    elif kind == "plain_padded":
+        @ex.register(BenchPadded)
+        async def padded(ctx: PlainJobContext[BenchPadded]) -> None:
             return None
     else:
         @ex.register(Upload)
@@ -158,6 +169,15 @@ async def _table_stats(dsn: str, table: str) -> dict[str, Any]:
                 "fillfactor": await db.fetchval(FILLFACTOR, table)}
 
 
+def padded_payloads(n: int) -> list[BenchPadded]:
+    """`n` plain payloads whose stored JSON is as long as a build job's of
+    `job_cost` (an `Upload`, its env sealed, as the queue writes it)."""
+    codec = PayloadCodec(secrets=BENCH_SECRETS)
+    target = len(codec.dumps(bench_upload(uuid.uuid4(), uuid.uuid4(), uuid.uuid4())))
+    return [BenchPadded(n=i, pad="x" * max(0, target - len(codec.dumps(BenchPadded(n=i)))))
+            for i in range(n)]
+
+
 def job_cost(dsn: str, kind: str, n_jobs: int, concurrency: int) -> dict[str, Any]:
     """
     A worker at the defaults (but `concurrency`) runs `n_jobs` jobs of `kind`
@@ -167,6 +187,9 @@ def job_cost(dsn: str, kind: str, n_jobs: int, concurrency: int) -> dict[str, An
     payloads: list[Any]
     if kind == "build":  # empties the tables, creates the targets
         payloads = enqueue_payloads(dsn, kind, n_jobs)
+    elif kind == "plain_padded":
+        reset_jobs(dsn)
+        payloads = padded_payloads(n_jobs)
     else:
         reset_jobs(dsn)
         payloads = [BenchPing(n=i) for i in range(n_jobs)]
@@ -177,7 +200,7 @@ def job_cost(dsn: str, kind: str, n_jobs: int, concurrency: int) -> dict[str, An
         before = await _table_stats(dsn, table)
         async with open_database(dsn) as db:
             config = _bench_config(concurrency=concurrency, builds=kind == "build",
-                                   queues={"bench": concurrency} if kind == "plain" else {})
+                                   queues={} if kind == "build" else {"bench": concurrency})
             queue = Queue(db, config=config, secrets=BENCH_SECRETS)
             worker = Worker(queue, _executors(kind))
             async with trio.open_nursery() as nursery:

@@ -23,3 +23,16 @@ class BenchPing(JobArgs):
     kind: ClassVar[str] = "bench_ping"
     options: ClassVar[JobOptions] = JobOptions(queue=BENCH_QUEUE)
     n: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class BenchPadded(JobArgs):
+    """
+    A plain job whose payload is padded (`pad`) to a build job's size: what a
+    build job costs beyond its larger payload is the difference between the two.
+    """
+
+    kind: ClassVar[str] = "bench_padded"
+    options: ClassVar[JobOptions] = JobOptions(queue=BENCH_QUEUE)
+    n: int = 0
+    pad: str = ""

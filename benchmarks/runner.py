@@ -600,7 +600,7 @@ LOOK_AHEAD_CONCURRENCY = (1, 10)
 LOOK_AHEAD_ROUNDS = 2
 #: The concurrency of the job-cost runs.
 COST_CONCURRENCY = 10
-COST_KINDS = ("plain", "build")
+COST_KINDS = ("plain", "plain_padded", "build")
 
 
 def look_ahead_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
@@ -627,7 +627,12 @@ def look_ahead_result(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
         drains.append({"concurrency": c, "jobs": s.drain_jobs,
                        "p0": p0, "auto": auto, "ratios": ratios,
                        "ratio": statistics.median(ratios)})
-    return {"drain": drains, "job_cost": {kind: raw[f"job cost {kind}"] for kind in COST_KINDS}}
+    costs = {kind: raw[f"job cost {kind}"] for kind in COST_KINDS}
+    # Issue #25 sets a build job at <= 1.5x a plain job's WAL; beside the small plain job,
+    # one whose payload is as large as the build job's, to tell the payload from the rest.
+    build_wal = {kind: costs["build"]["wal_bytes_per_job"] / costs[kind]["wal_bytes_per_job"]
+                 for kind in ("plain", "plain_padded")}
+    return {"drain": drains, "job_cost": costs, "build_wal_vs": build_wal}
 
 
 def look_ahead_rows(t: Table, result: dict[str, Any]) -> None:
@@ -646,11 +651,14 @@ def look_ahead_rows(t: Table, result: dict[str, Any]) -> None:
     for kind, c in la["job_cost"].items():
         cpu = c["server_cpu_us_per_job"]
         where = ", ".join(f"{name} {b:,.0f}" for name, b in c["bytes_per_job"].items())
+        vs = la.get("build_wal_vs") if kind == "build" else None
+        ratio = (f"WAL {vs['plain']:.2f}x plain, {vs['plain_padded']:.2f}x plain_padded; "
+                 if vs else "")
         t.add_row("job cost (enqueue + run)", f"{kind}, c={c['concurrency']}",
                   f"{c['wal_bytes_per_job']:,.0f} B WAL/job · "
                   + (f"{cpu:,.0f} µs server CPU/job" if cpu is not None else "server CPU n/a"),
-                  f"HOT {c['hot_share'] or 0:.0%} of updates, fillfactor {c['fillfactor']}; "
-                  f"bytes/job: {where}")
+                  f"{ratio}HOT {c['hot_share'] or 0:.0%} of updates, fillfactor "
+                  f"{c['fillfactor']}; bytes/job: {where}")
 
 
 # -- ceiling L (issue #25) ---------------------------------------------------------

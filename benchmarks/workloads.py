@@ -863,9 +863,13 @@ def enqueue_payloads(dsn: str, kind: str, n: int) -> list[Any]:
     if kind == "plain":
         return [BenchMail(to=f"user{i}@example.org", subject=f"Your build {i} is ready",
                           body="It went well. " * 4) for i in range(n)]
-    return [make_payload("Upload", target_id=a, build_id=b, owner_id=o, name=f"b{b.hex[:8]}",
-                         env={"API_TOKEN": f"tok-{b.hex}"})
-            for a, b, o in prepare_agents(dsn, n)]
+    return [bench_upload(a, b, o) for a, b, o in prepare_agents(dsn, n)]
+
+
+def bench_upload(agent: uuid.UUID, build: uuid.UUID, owner: uuid.UUID) -> Any:
+    """The build payload of the enqueue and job-cost workloads: an `Upload` with one secret."""
+    return make_payload("Upload", target_id=agent, build_id=build, owner_id=owner,
+                        name=f"b{build.hex[:8]}", env={"API_TOKEN": f"tok-{build.hex}"})
 
 
 def _bench_queue(db: Any) -> Queue:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import statistics
+import uuid
 from pathlib import Path
 
 import pytest
 import trio
 from rich.table import Table
 
-from benchmarks import job_costs, runner
+from benchmarks import job_costs, runner, workloads
+from benchmarks.plain import BenchPing
+from nasiko_queue.builds.payloads import PayloadCodec
 
 pytestmark = pytest.mark.slow
 
@@ -161,9 +164,23 @@ async def test_the_look_ahead_drains_and_the_job_costs_run_and_are_shown(dsn: st
         assert len(cost["bytes_per_job"]) > 1, cost  # the heap and its indexes
         cpu = cost["server_cpu_us_per_job"]
         assert cpu is None or cpu >= 0
+    assert set(result["build_wal_vs"]) == {"plain", "plain_padded"}
+    assert all(r > 0 for r in result["build_wal_vs"].values())
     table = Table()
     runner.look_ahead_rows(table, {"look_ahead": result})
     assert table.row_count == len(runner.LOOK_AHEAD_CONCURRENCY) + len(runner.COST_KINDS)
+    notes = [str(cell) for cell in table.columns[-1].cells]
+    assert sum("x plain_padded" in note for note in notes) == 1, notes  # on the build row
+
+
+def test_the_padded_plain_job_is_stored_as_long_as_a_build_job() -> None:
+    """The job-cost bench's `plain_padded` jobs: JSON as long as the build jobs' (an
+    `Upload` with a sealed secret, as the queue writes it), whatever their number."""
+    codec = PayloadCodec(secrets=workloads.BENCH_SECRETS)
+    build = len(codec.dumps(workloads.bench_upload(uuid.uuid4(), uuid.uuid4(), uuid.uuid4())))
+    padded = job_costs.padded_payloads(1200)
+    assert {len(codec.dumps(p)) for p in padded} == {build}
+    assert len(codec.dumps(BenchPing(n=0))) < build / 10  # what the plain row stores
 
 
 # -- ceiling L (issue #25) --------------------------------------------------------------
