@@ -17,6 +17,7 @@ from rich.table import Table
 
 from benchmarks import job_costs, runner, workloads
 from benchmarks.plain import BenchPing
+from nasiko_queue import open_database
 from nasiko_queue.builds.payloads import PayloadCodec
 
 pytestmark = pytest.mark.slow
@@ -164,6 +165,7 @@ async def test_the_look_ahead_drains_and_the_job_costs_run_and_are_shown(dsn: st
         assert len(cost["bytes_per_job"]) > 1, cost  # the heap and its indexes
         cpu = cost["server_cpu_us_per_job"]
         assert cpu is None or cpu >= 0
+    assert all(isinstance(cost["checkpoint"], bool) for cost in result["job_cost"].values())
     assert set(result["build_wal_vs"]) == {"plain", "plain_padded"}
     assert all(r > 0 for r in result["build_wal_vs"].values())
     table = Table()
@@ -171,6 +173,24 @@ async def test_the_look_ahead_drains_and_the_job_costs_run_and_are_shown(dsn: st
     assert table.row_count == len(runner.LOOK_AHEAD_CONCURRENCY) + len(runner.COST_KINDS)
     notes = [str(cell) for cell in table.columns[-1].cells]
     assert sum("x plain_padded" in note for note in notes) == 1, notes  # on the build row
+
+
+async def test_a_job_cost_run_starts_from_a_checkpoint_when_the_role_may_take_one(
+        dsn: str) -> None:
+    """`job_cost` takes a CHECKPOINT first (else one falling between its preparation
+    and its run logs whole pages it then counts), and says whether it could."""
+    async with open_database(dsn) as db:
+        may = await db.fetchval(
+            "SELECT rolsuper OR pg_has_role(current_user, 'pg_checkpoint', 'MEMBER') "
+            "FROM pg_roles WHERE rolname = current_user")
+        redo = "SELECT redo_lsn FROM pg_control_checkpoint()"
+        before = await db.fetchval(redo) if may else None
+        await db.execute("CREATE TABLE after_the_last_checkpoint AS SELECT 1 AS x")
+        took = await trio.to_thread.run_sync(job_costs._checkpoint, dsn)
+        after = await db.fetchval(redo) if may else None
+    assert took is may
+    if took:
+        assert after > before  # a new checkpoint: its redo point is past the table's WAL
 
 
 def test_the_padded_plain_job_is_stored_as_long_as_a_build_job() -> None:
