@@ -27,6 +27,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
 from uuid import UUID
 
 import asyncpg
@@ -59,6 +60,19 @@ TARGET_DELETED = "target deleted"
 JOB_PANICKED = "job panicked during execution"
 BUILD_FAILED = "build or deploy step failed — see the relevant *_builds row for details"
 SWEEP_BATCH = 100
+
+
+#: A status as the statements return it, without the enum's lookup per job.
+_STATUS: Final = {s.value: s for s in JobStatus}
+
+
+def _claimed(row: asyncpg.Record) -> ClaimedJob:
+    """A claimed row, field by field (a row of the finish also carries
+    `finished_id` and `finished_status`, which are not the job's)."""
+    return ClaimedJob(id=row["id"], agent_id=row["agent_id"], connector_id=row["connector_id"],
+                      owner_id=row["owner_id"], payload=row["payload"],
+                      old_attempt=row["old_attempt"], created_at=row["created_at"],
+                      target_soft_deleted=row["target_soft_deleted"])
 
 
 class PgJobStore:
@@ -120,7 +134,7 @@ class PgJobStore:
                 self.worker_id)
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
-        jobs = [ClaimedJob(**dict(row)) for row in rows]
+        jobs = [_claimed(row) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
 
@@ -187,10 +201,9 @@ class PgJobStore:
         for row in rows:
             if row["finished_id"] is not None:
                 status = row["finished_status"]
-                statuses[row["finished_id"]] = None if status is None else JobStatus(status)
+                statuses[row["finished_id"]] = None if status is None else _STATUS[status]
             else:
-                claimed.append(ClaimedJob(**{k: v for k, v in dict(row).items()
-                                             if k not in ("finished_id", "finished_status")}))
+                claimed.append(_claimed(row))
         claimed.sort(key=lambda j: j.order)
         return statuses, claimed
 
