@@ -93,16 +93,18 @@ def plain_drain(dsn: str, n_jobs: int, concurrency: int, setting: str) -> dict[s
                                    prefetch=prefetch)
             worker = Worker(Queue(db, config=config), _executors("plain"))
             async with trio.open_nursery() as nursery:
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 await nursery.start(worker.run)
                 await worker.wait_for(lambda s: s.done + s.failed >= n_jobs)
-                elapsed = time.perf_counter() - t0
+                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
                 look = worker.lanes[0].state.look_ahead
                 worker.stop()
         if worker.stats.failed:
             raise RuntimeError(f"plain drain: {worker.stats.failed} jobs failed")
         return {"concurrency": concurrency, "prefetch": setting, "jobs": n_jobs,
                 "jobs_per_s": n_jobs / elapsed, "statements": worker.stats.statements,
+                # The worker's own CPU (this process), as `workloads.drain` gives it.
+                "cpu_us_per_job": 1e6 * cpu / n_jobs,
                 "jobs_per_statement": n_jobs / max(1, worker.stats.statements),
                 "look_ahead": None if look is None else look.size,
                 "typical_run_ms": None if look is None or look.typical is None

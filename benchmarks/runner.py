@@ -149,6 +149,7 @@ def _steps(sizes: Sizes, dsn: str, raw: dict[str, Any]) -> list[tuple[str, Calla
         workflows.workflow_drain, dsn, s.workflow_runs, WORKFLOW_CONCURRENCY,
         s.workflow_serial_runs)))
     steps += look_ahead_steps(s, dsn)  # look-ahead and job costs (issue #25)
+    steps += build_vs_plain_steps(s, dsn)  # build jobs beside plain jobs (issue #25)
     return steps
 
 
@@ -241,6 +242,7 @@ def _assemble(raw: dict[str, Any], s: Sizes, database: str, seconds: float) -> d
         "build_row": build_row_result(raw, s),  # folded build-row writes (issue #13)
         "workflows": raw.get("workflows"),  # -- workflows (issue #22)
         "look_ahead": look_ahead_result(raw, s),  # look-ahead and job costs (issue #25)
+        "build_vs_plain": build_vs_plain_result(raw, s),  # (issue #25)
     }
 
 
@@ -428,6 +430,7 @@ def table(result: dict[str, Any]) -> Table:
     build_row_rows(t, result)  # folded build-row writes (issue #13)
     workflow_rows(t, result)  # -- workflows (issue #22)
     look_ahead_rows(t, result)  # look-ahead and job costs (issue #25)
+    build_vs_plain_rows(t, result)  # build jobs beside plain jobs (issue #25)
     return t
 
 
@@ -659,6 +662,63 @@ def look_ahead_rows(t: Table, result: dict[str, Any]) -> None:
                   + (f"{cpu:,.0f} µs server CPU/job" if cpu is not None else "server CPU n/a"),
                   f"{ratio}HOT {c['hot_share'] or 0:.0%} of updates, fillfactor "
                   f"{c['fillfactor']}; bytes/job: {where}")
+
+
+# -- build jobs beside plain jobs (issue #25) -------------------------------------
+#
+# Issue #25 sets the build drain at concurrency 10 at >= 0.9x the plain drain. Both
+# drain `drain_jobs` no-op jobs at the build lane's settings (prefetch 0), taking
+# turns for `BUILD_VS_PLAIN_ROUNDS` rounds (which goes first alternates): the ratio
+# is taken within each round and the summary is their median, since one drain of
+# each kind minutes apart moved 0.69-0.89x on the same commit. The worker's CPU per
+# job beside it says how much of a gap is the worker's own pipeline.
+
+BUILD_VS_PLAIN_ROUNDS = 3
+BUILD_VS_PLAIN_CONCURRENCY = 10
+
+
+def build_vs_plain_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
+    c = BUILD_VS_PLAIN_CONCURRENCY
+    drains = {"build": functools.partial(workloads.drain, dsn, s.drain_jobs, c),
+              "plain": functools.partial(job_costs.plain_drain, dsn, s.drain_jobs, c, "p0")}
+    steps: list[tuple[str, Callable[[], Any]]] = []
+    for r in range(1, BUILD_VS_PLAIN_ROUNDS + 1):
+        order = ("build", "plain") if r % 2 else ("plain", "build")
+        steps += [(f"{kind} beside {'plain' if kind == 'build' else 'build'} c={c} #{r}",
+                   drains[kind]) for kind in order]
+    return steps
+
+
+def build_vs_plain_result(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
+    c = BUILD_VS_PLAIN_CONCURRENCY
+    rounds = range(1, BUILD_VS_PLAIN_ROUNDS + 1)
+    build = [raw[f"build beside plain c={c} #{r}"] for r in rounds]
+    plain = [raw[f"plain beside build c={c} #{r}"] for r in rounds]
+    ratios = [b["jobs_per_s"] / p["jobs_per_s"] for b, p in zip(build, plain, strict=True)]
+    return {"concurrency": c, "jobs": s.drain_jobs,
+            "build_jobs_per_s": [b["jobs_per_s"] for b in build],
+            "plain_jobs_per_s": [p["jobs_per_s"] for p in plain],
+            "ratios": ratios, "ratio": statistics.median(ratios),
+            "cpu_us_per_job": {
+                "build": statistics.median(b["cpu_us_per_job"] for b in build),
+                "plain": statistics.median(p["cpu_us_per_job"] for p in plain)}}
+
+
+def build_vs_plain_rows(t: Table, result: dict[str, Any]) -> None:
+    b = result.get("build_vs_plain")
+    if not b:
+        return
+
+    def line(values: list[float]) -> str:
+        return " · ".join(f"{v:,.0f}" for v in values)
+
+    cpu = b["cpu_us_per_job"]
+    t.add_row("build drain | plain drain", f"c={b['concurrency']}, no-op, prefetch 0, "
+              f"turn about", f"{line(b['build_jobs_per_s'])} | "
+              f"{line(b['plain_jobs_per_s'])} jobs/s",
+              f"build {b['ratio']:.2f}x plain (rounds: "
+              + ", ".join(f"{r:.2f}" for r in b["ratios"])
+              + f"); worker CPU/job {cpu['build']:.0f} | {cpu['plain']:.0f} µs")
 
 
 # -- ceiling L (issue #25) ---------------------------------------------------------

@@ -175,6 +175,31 @@ async def test_the_look_ahead_drains_and_the_job_costs_run_and_are_shown(dsn: st
     assert sum("x plain_padded" in note for note in notes) == 1, notes  # on the build row
 
 
+async def test_the_build_and_plain_drains_take_turns_and_are_shown_as_a_ratio(
+        dsn: str) -> None:
+    """Issue #25's build-vs-plain target in the bench's own output: the two drains
+    alternate which goes first, each round gives a ratio, and the worker's CPU per
+    job of each kind is beside it. Only that each figure is there and sane."""
+    sizes = runner.TINY
+    steps = runner.build_vs_plain_steps(sizes, dsn)
+    firsts = [name.split()[0] for name, _ in steps[::2]]
+    assert firsts == ["build", "plain", "build"][:runner.BUILD_VS_PLAIN_ROUNDS]
+    raw = {}
+    for name, step in steps:
+        raw[name] = await trio.to_thread.run_sync(step)
+    result = runner.build_vs_plain_result(raw, sizes)
+    assert len(result["ratios"]) == runner.BUILD_VS_PLAIN_ROUNDS
+    for b, p, r in zip(result["build_jobs_per_s"], result["plain_jobs_per_s"],
+                       result["ratios"], strict=True):
+        assert r == pytest.approx(b / p)
+    assert result["ratio"] == statistics.median(result["ratios"])
+    assert all(v > 0 for v in result["cpu_us_per_job"].values())
+    table = Table()
+    runner.build_vs_plain_rows(table, {"build_vs_plain": result})
+    assert table.row_count == 1
+    assert "x plain (rounds: " in str(next(iter(table.columns[-1].cells)))
+
+
 async def test_a_job_cost_run_starts_from_a_checkpoint_when_the_role_may_take_one(
         dsn: str) -> None:
     """`job_cost` takes a CHECKPOINT first (else one falling between its preparation
