@@ -1,6 +1,8 @@
 """The payload union: wire compatibility with the original's serde JSON, and validation."""
 
+import copy
 import json
+import pickle
 from collections.abc import Mapping
 from typing import Any, ClassVar, get_args, get_origin
 from uuid import UUID
@@ -23,6 +25,7 @@ from nasiko_queue.builds.payloads import (
     Update,
     Upload,
     ZipSource,
+    _parse_uuid,
     converter,
     raw_build_id,
 )
@@ -214,6 +217,54 @@ class TestWireVectors:
         data = json.loads(VECTORS["Upload"])
         data["build_id"] = B.upper()
         assert codec.decode(data).build_id == UUID(B)
+
+
+    def test_decoded_ids_are_uuids_to_every_caller(self, codec: PayloadCodec) -> None:
+        """The ids are parsed by asyncpg's compiled UUID (a subclass of uuid.UUID, the
+        type of the job rows' own ids): whatever an executor does with one, it does
+        with a standard UUID of the same text."""
+        payload = codec.decode(json.loads(VECTORS["Upload"]))
+        assert isinstance(payload, Upload)
+        for value, text in ((payload.build_id, B), (payload.agent_id, A),
+                            (payload.owner_id, OWN)):
+            std = UUID(text)
+            assert isinstance(value, UUID)
+            assert value == std
+            assert std == value
+            assert hash(value) == hash(std)
+            assert {std: 1}[value] == 1
+            assert str(value) == text
+            assert value.hex == std.hex
+            assert value.int == std.int
+            assert value.version == std.version
+            assert json.loads(json.dumps({"id": str(value)})) == {"id": text}
+        assert pickle.loads(pickle.dumps(payload)) == payload  # noqa: S301 - bytes made here
+        assert copy.deepcopy(payload) == payload
+
+
+@given(st.one_of(
+    st.uuids().map(str),
+    st.uuids().map(lambda u: str(u).upper()),
+    st.uuids().map(lambda u: u.hex),
+    st.uuids().map(lambda u: f"{{{u}}}"),
+    st.text(alphabet="0123456789abcdefABCDEFxg-{}\u0661 ", min_size=30, max_size=40),
+    st.uuids().map(str).flatmap(
+        lambda t: st.integers(0, 35).map(lambda i: t[:i] + "\u0661" + t[i + 1:])),
+    st.uuids().map(str).flatmap(
+        lambda t: st.integers(0, 35).map(lambda i: t[:i] + "-" + t[i + 1:])),
+))
+def test_an_id_parses_as_the_standard_uuid_does_in_the_hyphenated_form(text: str) -> None:
+    """`_parse_uuid` accepts exactly the hyphenated form (any case) and gives the value
+    `uuid.UUID` gives; anything else is None."""
+    parsed = _parse_uuid(text)
+    hyphenated = len(text) == 36 and all(
+        (c == "-") if i in (8, 13, 18, 23) else c in "0123456789abcdefABCDEF"
+        for i, c in enumerate(text))
+    if hyphenated:
+        assert parsed == UUID(text)
+        assert isinstance(parsed, UUID)
+    else:
+        assert parsed is None
 
 
 class TestAccessors:

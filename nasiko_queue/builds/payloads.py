@@ -24,6 +24,13 @@ from uuid import UUID
 import attrs
 import cattrs
 
+try:
+    # asyncpg's own UUID, the type of every uuid column it returns: a subclass of
+    # uuid.UUID, equal and hashing alike, whose constructor is compiled.
+    from asyncpg.pgproto.pgproto import UUID as _FastUUID
+except ImportError:  # pragma: no cover - an asyncpg that moved it: the standard one
+    _FastUUID = UUID
+
 from ..errors import InvalidPayload, SecretDecryptError, SecretsNotConfigured
 from ..plain.args import JobArgs
 from ..secrets import Secret, SecretBox, is_sealed_token
@@ -144,8 +151,10 @@ class Payload(abc.ABC):
 
 
 def _check_ports(_inst: object, _attr: "attrs.Attribute[tuple[int, ...]]", value: Any) -> None:
-    if not all(type(port) is int and 0 <= port <= 65535 for port in value):
-        raise InvalidPayload("field 'ports': each port must be an integer in 0..65535")
+    # A loop, not all() over a generator: this runs for every job a worker decodes.
+    for port in value:
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise InvalidPayload("field 'ports': each port must be an integer in 0..65535")
 
 
 def _ports(value: Iterable[int]) -> tuple[int, ...]:
@@ -155,13 +164,15 @@ def _ports(value: Iterable[int]) -> tuple[int, ...]:
 def _check_secrets(
     _inst: object, attr: "attrs.Attribute[Mapping[str, Secret]]", value: Any
 ) -> None:
-    if not (
-        isinstance(value, Mapping)
-        and all(type(k) is str and isinstance(v, Secret) for k, v in value.items())
-    ):
-        raise InvalidPayload(
-            f"field '{attr.name}': keys must be strings and values Secrets or strings"
-        )
+    # `_to_secrets` made it a dict, unless it was no Mapping: test that first, as
+    # the ABC's isinstance costs more than the rest on the worker's path.
+    if type(value) is dict or isinstance(value, Mapping):
+        for k, v in value.items():
+            if type(k) is not str or not isinstance(v, Secret):
+                break
+        else:
+            return
+    raise InvalidPayload(f"field '{attr.name}': keys must be strings and values Secrets or strings")
 
 
 # The converter's argument type is what mypy's attrs plugin gives __init__, so that
@@ -173,7 +184,7 @@ def _to_secrets(value: Mapping[str, str | Secret]) -> dict[str, Secret]:
     Anything else is left for the validator to refuse.
     """
     raw: object = value
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict and not isinstance(raw, Mapping):
         return cast(dict[str, Secret], raw)
     return {k: Secret(v) if isinstance(v, str) else v for k, v in raw.items()}
 
@@ -451,8 +462,16 @@ _UUID_RE: Final = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{
 
 
 def _parse_uuid(value: object) -> UUID | None:
+    """
+    The UUID a payload's string holds, in the hyphenated form only (serde's), or None.
+
+    Built as asyncpg's UUID (`_FastUUID`), the type the job rows' own ids already
+    come as: ``uuid.UUID(text)`` took 0.80 µs, a third of decoding an `Upload`
+    with its three ids; this takes 0.09 µs. It is a `uuid.UUID` to every caller
+    (isinstance, ==, hash, str), and the regex above decides what is accepted.
+    """
     if isinstance(value, str) and _UUID_RE.fullmatch(value):
-        return UUID(value)
+        return cast(UUID, _FastUUID(value))
     return None
 
 
@@ -497,6 +516,8 @@ def _is_homogeneous_tuple(t: Any) -> bool:
 
 def _structure_tuple_factory(t: Any) -> Callable[[object, object], tuple[Any, ...]]:
     item_type = get_args(t)[0]
+    # Looked up once, not dispatched per item (as `converter.structure` would).
+    structure_item = converter.get_structure_hook(item_type)
 
     def structure(value: object, _t: object) -> tuple[Any, ...]:
         # Only a JSON array: cattrs alone would also take a string or an object's keys.
@@ -505,7 +526,7 @@ def _structure_tuple_factory(t: Any) -> Callable[[object, object], tuple[Any, ..
         items = []
         for index, item in enumerate(value):
             try:
-                items.append(converter.structure(item, item_type))
+                items.append(structure_item(item, item_type))
             except _WireError as exc:
                 raise _WireError(f"item {index}: {exc}") from None
         return tuple(items)
