@@ -20,6 +20,7 @@ from uuid import UUID
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from nasiko_queue import (
     Executors,
@@ -365,6 +366,101 @@ async def test_the_fence_gives_back_the_buffered_jobs_at_once(db: Database) -> N
             worker.stop()
     assert await plain_state(db, first) == ("completed", 2)
     assert [await plain_state(db, job_id) for job_id in rest] == [("completed", 1)] * 2
+
+
+async def test_after_the_fence_a_lane_claims_only_once_its_stopped_runs_are_back(
+        db: Database) -> None:
+    """
+    A fenced run's job is available again at once, and first in line; the worker,
+    registered anew, must not fill its look-ahead while that run is still being
+    put back (its executor still unwinding), or the later jobs it claims run
+    before it. Found by the plain state machine under load (`drain_then_fence`:
+    "the drain ran [B, C, D, B]; the model says [B, B, C, D]").
+    """
+    config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
+                          queues={"slow": 1}, prefetch=2, maintenance=False)
+    queue = Queue(db, config=config)
+    started, registered, unwound = trio.Event(), trio.Event(), trio.Event()
+    order: list[int] = []
+
+    async def run(ctx: PlainJobContext[Slow]) -> None:
+        order.append(ctx.payload.n)
+        if ctx.payload.n != 0 or ctx.attempt != 1:
+            return
+        started.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            # The fence stopped it: it takes its time to unwind, and the worker
+            # registers anew meanwhile. Unwind only once the lane has done what it
+            # does now: a claim sent meanwhile (the bug) lands first.
+            with trio.CancelScope(shield=True):
+                await registered.wait()
+                await worker.wait_for(lambda s: s.returned >= 2)
+                await trio.testing.wait_all_tasks_blocked()
+                lane = next(lane for lane in worker.lanes if lane.name == "slow")
+                if lane.state.in_flight:
+                    await worker.wait_for(lambda s: s.buffered >= 2)
+            unwound.set()
+            raise
+
+    executors = Executors()
+    executors.register(Slow, run)
+    worker = Worker(queue, executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await queue.enqueue_many([Job(Slow(n=n)) for n in range(3)])
+            await started.wait()
+            await worker.wait_for(lambda s: s.buffered >= 2)
+            await _declare_dead(db, worker)  # fenced, and registered anew
+            registered.set()
+            await unwound.wait()
+            await worker.wait_for(lambda s: s.done >= 3)
+            worker.stop()
+    assert order == [0, 0, 1, 2], order
+
+
+async def test_while_a_fenced_run_unwinds_its_lanes_free_slots_still_run_jobs(
+        db: Database) -> None:
+    """What waits for a fenced run to end is the look-ahead alone: a lane's other
+    slots claim and run jobs meanwhile, so one executor slow to unwind (a shielded
+    clean-up) does not stall its whole lane."""
+    config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
+                          queues={"slow": 2}, prefetch=2, maintenance=False)
+    queue = Queue(db, config=config)
+    started, unwind = trio.Event(), trio.Event()
+
+    async def run(ctx: PlainJobContext[Slow]) -> None:
+        if ctx.payload.n != 0 or ctx.attempt != 1:
+            return
+        started.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await unwind.wait()
+            raise
+
+    executors = Executors()
+    executors.register(Slow, run)
+    worker = Worker(queue, executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await queue.enqueue(Slow(n=0))
+            await started.wait()
+            await _declare_dead(db, worker)  # fenced, and registered anew
+            lane = next(lane for lane in worker.lanes if lane.name == "slow")
+            assert lane.state.fence_settling
+            await queue.enqueue_many([Job(Slow(n=n)) for n in (1, 2)])
+            worker.wake()
+            await worker.wait_for(lambda s: s.done >= 2)  # run by the other slot
+            assert lane.state.fence_settling
+            unwind.set()
+            await worker.wait_for(lambda s: s.done >= 3)
+            assert not lane.state.fence_settling
+            worker.stop()
 
 
 async def test_a_prefetched_job_cancelled_before_it_starts_never_runs(db: Database) -> None:

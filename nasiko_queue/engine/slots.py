@@ -210,6 +210,8 @@ class Slots(abc.ABC, Generic[S]):
         state = self.state
         state.stats.running -= 1
         state.running -= 1
+        if not state.running:  # the runs a fence stopped are back: claim again
+            state.fence_settling = False
         # The run is over: a cancel mark of its claim is stale (one
         # delivered as it crashed would else stop the job's next run
         # of the same attempt number, after a dead-letter retry).

@@ -45,7 +45,9 @@ The fence is one, worker-wide: when the worker loses its lease, every running
 executor is cancelled, every buffer emptied, and `fence_epoch` moves on; a claim
 sent before it and answered after gives its jobs back (attempts restored)
 instead of buffering them, and a slot that was about to start a job gives it
-back too. After the fence no job starts until the worker is registered anew.
+back too. After the fence no job starts until the worker is registered anew,
+and a lane claims no look-ahead until the runs the fence stopped in it have
+ended (`LaneState.fence_settling`): their jobs go back first in line, and keep it.
 
 A drain claims jobs until a claim comes back short, never more at once than a
 lane's slots and prefetch buffer have room for (for the build lane
@@ -253,6 +255,8 @@ class Worker:
             lane_state.fenced_out.extend(job for job, _ in lane_state.buffer)
             lane_state.buffer.clear()
             state.stats.buffered -= dropped
+            # Its stopped runs go back first: no look-ahead until they have ended.
+            lane_state.fence_settling = lane_state.running > 0
             lane_state.end_drain()
             lane_state.kick()
         state.notify()
