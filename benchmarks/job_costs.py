@@ -3,7 +3,8 @@ Issue #25: what the adaptive look-ahead buys, and what one job costs the server.
 
 - `plain_drain`: one worker drains N plain jobs queued up front, at a
   concurrency, with `prefetch=0` (the former default) or the default ("auto");
-  the runner takes both in turn, so that their ratio meets the same noise.
+  the runner takes both in turn, so that their ratio meets the same noise. Its
+  jobs are `BenchPing`s, or `BenchPadded`s as large as the drain's build jobs.
 - `job_cost`: a worker at the defaults (but its concurrency) runs jobs while
   they are being enqueued (`enqueue_many` in chunks, from the same process):
   plain, plain with a payload padded to a build job's size ("plain_padded": what
@@ -42,6 +43,7 @@ from .workloads import (
     _bench_config,
     _sql,
     bench_upload,
+    drain_payload_bytes,
     enqueue_payloads,
     reset_jobs,
 )
@@ -79,19 +81,29 @@ def _executors(kind: str) -> Executors:
 # -- the drain, before and after ------------------------------------------------
 
 
-def plain_drain(dsn: str, n_jobs: int, concurrency: int, setting: str) -> dict[str, Any]:
-    """One worker drains `n_jobs` plain jobs queued up front; jobs/s and statements."""
+def plain_drain(dsn: str, n_jobs: int, concurrency: int, setting: str,
+                kind: str = "plain") -> dict[str, Any]:
+    """
+    One worker drains `n_jobs` plain jobs queued up front; jobs/s and statements.
+    `kind` "plain_padded": each payload as long as a build job's of `workloads.drain`
+    (`drain_payload_bytes`), so that the two differ in what a build job does beyond
+    carrying its payload.
+    """
+    if kind not in ("plain", "plain_padded"):
+        raise ValueError(f"kind {kind!r}: 'plain' or 'plain_padded'")
     reset_jobs(dsn)
     prefetch = SETTINGS[setting]
+    payloads: list[Any] = (padded_payloads(n_jobs, drain_payload_bytes())
+                           if kind == "plain_padded"
+                           else [BenchPing(n=i) for i in range(n_jobs)])
 
     async def main() -> dict[str, Any]:
         async with open_database(dsn) as db:
-            await Queue(db, config=_bench_config()).enqueue_many(
-                [BenchPing(n=i) for i in range(n_jobs)])
+            await Queue(db, config=_bench_config()).enqueue_many(payloads)
             await db.execute("VACUUM ANALYZE nasiko_queue_jobs")
             config = _bench_config(queues={"bench": concurrency}, builds=False,
                                    prefetch=prefetch)
-            worker = Worker(Queue(db, config=config), _executors("plain"))
+            worker = Worker(Queue(db, config=config), _executors(kind))
             async with trio.open_nursery() as nursery:
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 await nursery.start(worker.run)
@@ -189,11 +201,13 @@ def _checkpoint(dsn: str) -> bool:
     return True
 
 
-def padded_payloads(n: int) -> list[BenchPadded]:
-    """`n` plain payloads whose stored JSON is as long as a build job's of
-    `job_cost` (an `Upload`, its env sealed, as the queue writes it)."""
+def padded_payloads(n: int, target: int | None = None) -> list[BenchPadded]:
+    """`n` plain payloads whose JSON is `target` characters long; by default as
+    long as a build job's of `job_cost` (an `Upload`, its env sealed, as the
+    queue writes it)."""
     codec = PayloadCodec(secrets=BENCH_SECRETS)
-    target = len(codec.dumps(bench_upload(uuid.uuid4(), uuid.uuid4(), uuid.uuid4())))
+    if target is None:
+        target = len(codec.dumps(bench_upload(uuid.uuid4(), uuid.uuid4(), uuid.uuid4())))
     return [BenchPadded(n=i, pad="x" * max(0, target - len(codec.dumps(BenchPadded(n=i)))))
             for i in range(n)]
 

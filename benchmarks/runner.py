@@ -666,42 +666,56 @@ def look_ahead_rows(t: Table, result: dict[str, Any]) -> None:
 
 # -- build jobs beside plain jobs (issue #25) -------------------------------------
 #
-# Issue #25 sets the build drain at concurrency 10 at >= 0.9x the plain drain. Both
-# drain `drain_jobs` no-op jobs at the build lane's settings (prefetch 0), taking
-# turns for `BUILD_VS_PLAIN_ROUNDS` rounds (which goes first alternates): the ratio
-# is taken within each round and the summary is their median, since one drain of
-# each kind minutes apart moved 0.69-0.89x on the same commit. The worker's CPU per
-# job beside it says how much of a gap is the worker's own pipeline.
+# Issue #25 sets the build drain at concurrency 10 at >= 0.9x the plain drain. Each
+# round drains `drain_jobs` no-op jobs of three kinds at the build lane's settings
+# (prefetch 0): build jobs, plain jobs with an 8-byte payload, and plain jobs whose
+# payload is as long as the build jobs' (`workloads.drain_payload_bytes`), so that
+# what a build job costs beyond carrying its payload shows on its own. Which kind goes
+# first turns with each round, for `BUILD_VS_PLAIN_ROUNDS` rounds: the ratios are
+# taken within each round and the summary is their median, since one drain of each
+# kind minutes apart moved 0.69-0.89x on the same commit. The worker's CPU per job
+# beside them says how much of a gap is the worker's own pipeline.
 
 BUILD_VS_PLAIN_ROUNDS = 3
 BUILD_VS_PLAIN_CONCURRENCY = 10
+#: The drains of a round, in the first round's order; each later round starts one on.
+BUILD_VS_PLAIN_KINDS = ("build", "plain", "plain_padded")
+
+
+def _beside(kind: str, c: int, r: int) -> str:
+    """A build-vs-plain step's name: the plain kinds beside build, build beside plain."""
+    return f"{kind} beside {'plain' if kind == 'build' else 'build'} c={c} #{r}"
 
 
 def build_vs_plain_steps(s: Sizes, dsn: str) -> list[tuple[str, Callable[[], Any]]]:
     c = BUILD_VS_PLAIN_CONCURRENCY
-    drains = {"build": functools.partial(workloads.drain, dsn, s.drain_jobs, c),
-              "plain": functools.partial(job_costs.plain_drain, dsn, s.drain_jobs, c, "p0")}
+    drains = {"build": functools.partial(workloads.drain, dsn, s.drain_jobs, c)} | {
+        kind: functools.partial(job_costs.plain_drain, dsn, s.drain_jobs, c, "p0", kind)
+        for kind in BUILD_VS_PLAIN_KINDS[1:]}
     steps: list[tuple[str, Callable[[], Any]]] = []
     for r in range(1, BUILD_VS_PLAIN_ROUNDS + 1):
-        order = ("build", "plain") if r % 2 else ("plain", "build")
-        steps += [(f"{kind} beside {'plain' if kind == 'build' else 'build'} c={c} #{r}",
-                   drains[kind]) for kind in order]
+        shift = (r - 1) % len(BUILD_VS_PLAIN_KINDS)
+        order = BUILD_VS_PLAIN_KINDS[shift:] + BUILD_VS_PLAIN_KINDS[:shift]
+        steps += [(_beside(kind, c, r), drains[kind]) for kind in order]
     return steps
 
 
 def build_vs_plain_result(raw: dict[str, Any], s: Sizes) -> dict[str, Any]:
     c = BUILD_VS_PLAIN_CONCURRENCY
     rounds = range(1, BUILD_VS_PLAIN_ROUNDS + 1)
-    build = [raw[f"build beside plain c={c} #{r}"] for r in rounds]
-    plain = [raw[f"plain beside build c={c} #{r}"] for r in rounds]
-    ratios = [b["jobs_per_s"] / p["jobs_per_s"] for b, p in zip(build, plain, strict=True)]
+    runs = {kind: [raw[_beside(kind, c, r)] for r in rounds] for kind in BUILD_VS_PLAIN_KINDS}
+    ratios = {kind: [b["jobs_per_s"] / p["jobs_per_s"]
+                     for b, p in zip(runs["build"], runs[kind], strict=True)]
+              for kind in BUILD_VS_PLAIN_KINDS[1:]}
     return {"concurrency": c, "jobs": s.drain_jobs,
-            "build_jobs_per_s": [b["jobs_per_s"] for b in build],
-            "plain_jobs_per_s": [p["jobs_per_s"] for p in plain],
-            "ratios": ratios, "ratio": statistics.median(ratios),
-            "cpu_us_per_job": {
-                "build": statistics.median(b["cpu_us_per_job"] for b in build),
-                "plain": statistics.median(p["cpu_us_per_job"] for p in plain)}}
+            "build_jobs_per_s": [b["jobs_per_s"] for b in runs["build"]],
+            "plain_jobs_per_s": [p["jobs_per_s"] for p in runs["plain"]],
+            "plain_padded_jobs_per_s": [p["jobs_per_s"] for p in runs["plain_padded"]],
+            "ratios": ratios["plain"], "ratio": statistics.median(ratios["plain"]),
+            "padded_ratios": ratios["plain_padded"],
+            "padded_ratio": statistics.median(ratios["plain_padded"]),
+            "cpu_us_per_job": {kind: statistics.median(x["cpu_us_per_job"] for x in runs[kind])
+                               for kind in BUILD_VS_PLAIN_KINDS}}
 
 
 def build_vs_plain_rows(t: Table, result: dict[str, Any]) -> None:
@@ -712,13 +726,18 @@ def build_vs_plain_rows(t: Table, result: dict[str, Any]) -> None:
     def line(values: list[float]) -> str:
         return " · ".join(f"{v:,.0f}" for v in values)
 
+    def ratio(name: str, median: float, ratios: list[float]) -> str:
+        return (f"build {median:.2f}x {name} (rounds: "
+                + ", ".join(f"{r:.2f}" for r in ratios) + ")")
+
     cpu = b["cpu_us_per_job"]
-    t.add_row("build drain | plain drain", f"c={b['concurrency']}, no-op, prefetch 0, "
-              f"turn about", f"{line(b['build_jobs_per_s'])} | "
-              f"{line(b['plain_jobs_per_s'])} jobs/s",
-              f"build {b['ratio']:.2f}x plain (rounds: "
-              + ", ".join(f"{r:.2f}" for r in b["ratios"])
-              + f"); worker CPU/job {cpu['build']:.0f} | {cpu['plain']:.0f} µs")
+    t.add_row("build drain | plain | plain, padded",
+              f"c={b['concurrency']}, no-op, prefetch 0, turn about",
+              f"{line(b['build_jobs_per_s'])} | {line(b['plain_jobs_per_s'])} | "
+              f"{line(b['plain_padded_jobs_per_s'])} jobs/s",
+              f"{ratio('plain', b['ratio'], b['ratios'])}; "
+              f"{ratio('padded', b['padded_ratio'], b['padded_ratios'])}; worker CPU/job "
+              f"{cpu['build']:.0f} | {cpu['plain']:.0f} | {cpu['plain_padded']:.0f} µs")
 
 
 # -- ceiling L (issue #25) ---------------------------------------------------------

@@ -91,6 +91,12 @@ def _upload_payload_text(agent_id: uuid.UUID, build_id: uuid.UUID, owner: uuid.U
     return json.dumps(_CODEC.encode(p), separators=(",", ":"))
 
 
+def drain_payload_bytes() -> int:
+    """The length of a build job's JSON payload as `prepare_jobs` writes it (all
+    alike: fixed-width ids and name), for a plain job padded to match."""
+    return len(_upload_payload_text(uuid.uuid4(), uuid.uuid4(), uuid.uuid4()))
+
+
 def prepare_agents(dsn: str, n: int) -> list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]]:
     """`n` deploying agents, each with a build row already 'success': (agent, build, owner)."""
     rows = [(uuid.uuid4(), uuid.uuid4(), uuid.uuid4()) for _ in range(n)]

@@ -177,27 +177,50 @@ async def test_the_look_ahead_drains_and_the_job_costs_run_and_are_shown(dsn: st
 
 async def test_the_build_and_plain_drains_take_turns_and_are_shown_as_a_ratio(
         dsn: str) -> None:
-    """Issue #25's build-vs-plain target in the bench's own output: the two drains
-    alternate which goes first, each round gives a ratio, and the worker's CPU per
-    job of each kind is beside it. Only that each figure is there and sane."""
+    """Issue #25's build-vs-plain target in the bench's own output: the three drains
+    (build, plain, plain padded to the build payload's length) turn which goes first,
+    each round gives a ratio to each plain kind, and the worker's CPU per job of each
+    kind is beside them. Only that each figure is there and sane."""
     sizes = runner.TINY
     steps = runner.build_vs_plain_steps(sizes, dsn)
-    firsts = [name.split()[0] for name, _ in steps[::2]]
-    assert firsts == ["build", "plain", "build"][:runner.BUILD_VS_PLAIN_ROUNDS]
+    kinds = len(runner.BUILD_VS_PLAIN_KINDS)
+    assert len(steps) == kinds * runner.BUILD_VS_PLAIN_ROUNDS
+    firsts = [name.split()[0] for name, _ in steps[::kinds]]
+    assert firsts == ["build", "plain", "plain_padded"][:runner.BUILD_VS_PLAIN_ROUNDS]
     raw = {}
     for name, step in steps:
         raw[name] = await trio.to_thread.run_sync(step)
     result = runner.build_vs_plain_result(raw, sizes)
-    assert len(result["ratios"]) == runner.BUILD_VS_PLAIN_ROUNDS
-    for b, p, r in zip(result["build_jobs_per_s"], result["plain_jobs_per_s"],
-                       result["ratios"], strict=True):
-        assert r == pytest.approx(b / p)
-    assert result["ratio"] == statistics.median(result["ratios"])
+    for plain_kind, ratios_key, median_key in (("plain", "ratios", "ratio"),
+                                               ("plain_padded", "padded_ratios",
+                                                "padded_ratio")):
+        ratios = result[ratios_key]
+        assert len(ratios) == runner.BUILD_VS_PLAIN_ROUNDS
+        for b, p, r in zip(result["build_jobs_per_s"], result[f"{plain_kind}_jobs_per_s"],
+                           ratios, strict=True):
+            assert r == pytest.approx(b / p)
+        assert result[median_key] == statistics.median(ratios)
+    assert set(result["cpu_us_per_job"]) == set(runner.BUILD_VS_PLAIN_KINDS)
     assert all(v > 0 for v in result["cpu_us_per_job"].values())
     table = Table()
     runner.build_vs_plain_rows(table, {"build_vs_plain": result})
     assert table.row_count == 1
-    assert "x plain (rounds: " in str(next(iter(table.columns[-1].cells)))
+    note = str(next(iter(table.columns[-1].cells)))
+    assert "x plain (rounds: " in note, note
+    assert "x padded (rounds: " in note, note
+
+
+def test_the_padded_plain_drain_carries_a_payload_as_long_as_the_build_drains() -> None:
+    """The padded plain job of the build-vs-plain block is exactly as long, in JSON, as
+    the build job `workloads.drain` prepares: the ratio to it leaves the payload's size
+    out of the comparison."""
+    length = workloads.drain_payload_bytes()
+    assert length > 300  # an Upload with three ids, paths, a name: not a stub
+    codec = PayloadCodec()
+    padded = job_costs.padded_payloads(3, length)
+    assert [len(codec.dumps(p)) for p in padded] == [length] * 3
+    with pytest.raises(ValueError, match="plain_padded"):
+        job_costs.plain_drain("postgresql://unused", 1, 1, "p0", "build")
 
 
 async def test_a_job_cost_run_starts_from_a_checkpoint_when_the_role_may_take_one(
