@@ -14,6 +14,7 @@ deadline, never on timing luck.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -37,6 +38,7 @@ from nasiko_queue.builds.payloads import BUILTIN_PAYLOAD_TYPES
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.db.database import Database
 from nasiko_queue.engine.contracts import ClaimedJob
+from nasiko_queue.engine.state import LaneState
 from nasiko_queue.testing import KINDS, enqueue_with_target, set_build_status
 
 from .conftest import FAST, MASTER_KEY
@@ -368,6 +370,43 @@ async def test_the_fence_gives_back_the_buffered_jobs_at_once(db: Database) -> N
     assert [await plain_state(db, job_id) for job_id in rest] == [("completed", 1)] * 2
 
 
+class SlowToUnwind:
+    """
+    A lane of `slots` slots with a look-ahead of 2, whose `Slow(n=0)` holds its
+    slot on its first run until the fence stops it, and then takes its time to
+    unwind (a shielded clean-up): until `unwinding` returns. Every other run
+    returns at once; `order` lists the runs by `n`.
+    """
+
+    def __init__(self, db: Database, slots: int,
+                 unwinding: Callable[[], Awaitable[object]]) -> None:
+        config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
+                              queues={"slow": slots}, prefetch=2, maintenance=False)
+        self.queue = Queue(db, config=config)
+        self.unwinding = unwinding
+        self.started, self.unwound = trio.Event(), trio.Event()
+        self.order: list[int] = []
+        executors = Executors()
+        executors.register(Slow, self.run)
+        self.worker = Worker(self.queue, executors)
+
+    def lane(self) -> LaneState:
+        return next(lane.state for lane in self.worker.lanes if lane.name == "slow")
+
+    async def run(self, ctx: PlainJobContext[Slow]) -> None:
+        self.order.append(ctx.payload.n)
+        if ctx.payload.n != 0 or ctx.attempt != 1:
+            return
+        self.started.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await self.unwinding()
+            self.unwound.set()
+            raise
+
+
 async def test_after_the_fence_a_lane_claims_only_once_its_stopped_runs_are_back(
         db: Database) -> None:
     """
@@ -377,48 +416,31 @@ async def test_after_the_fence_a_lane_claims_only_once_its_stopped_runs_are_back
     before it. Found by the plain state machine under load (`drain_then_fence`:
     "the drain ran [B, C, D, B]; the model says [B, B, C, D]").
     """
-    config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
-                          queues={"slow": 1}, prefetch=2, maintenance=False)
-    queue = Queue(db, config=config)
-    started, registered, unwound = trio.Event(), trio.Event(), trio.Event()
-    order: list[int] = []
+    drains = 0  # the lane's drains begun before the fence
 
-    async def run(ctx: PlainJobContext[Slow]) -> None:
-        order.append(ctx.payload.n)
-        if ctx.payload.n != 0 or ctx.attempt != 1:
-            return
-        started.set()
-        try:
-            await trio.sleep_forever()
-        except trio.Cancelled:
-            # The fence stopped it: it takes its time to unwind, and the worker
-            # registers anew meanwhile. Unwind only once the lane has done what it
-            # does now: a claim sent meanwhile (the bug) lands first.
-            with trio.CancelScope(shield=True):
-                await registered.wait()
-                await worker.wait_for(lambda s: s.returned >= 2)
-                await trio.testing.wait_all_tasks_blocked()
-                lane = next(lane for lane in worker.lanes if lane.name == "slow")
-                if lane.state.in_flight:
-                    await worker.wait_for(lambda s: s.buffered >= 2)
-            unwound.set()
-            raise
+    async def unwinding() -> None:
+        # The worker registers anew meanwhile and its lane begins a drain. Unwind
+        # only once that drain has done what it does now: a claim sent meanwhile
+        # (the bug) lands first.
+        await worker.wait_for(lambda s: s.returned >= 2 and lab.lane().drains_started > drains)
+        await trio.testing.wait_all_tasks_blocked()
+        if lab.lane().in_flight:
+            await worker.wait_for(lambda s: s.buffered >= 2)
 
-    executors = Executors()
-    executors.register(Slow, run)
-    worker = Worker(queue, executors)
+    lab = SlowToUnwind(db, 1, unwinding)
+    worker = lab.worker
     with trio.fail_after(TEST_DEADLINE):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
-            await queue.enqueue_many([Job(Slow(n=n)) for n in range(3)])
-            await started.wait()
+            await lab.queue.enqueue_many([Job(Slow(n=n)) for n in range(3)])
+            await lab.started.wait()
             await worker.wait_for(lambda s: s.buffered >= 2)
+            drains = lab.lane().drains_started
             await _declare_dead(db, worker)  # fenced, and registered anew
-            registered.set()
-            await unwound.wait()
+            await lab.unwound.wait()
             await worker.wait_for(lambda s: s.done >= 3)
             worker.stop()
-    assert order == [0, 0, 1, 2], order
+    assert lab.order == [0, 0, 1, 2], lab.order
 
 
 async def test_while_a_fenced_run_unwinds_its_lanes_free_slots_still_run_jobs(
@@ -426,41 +448,25 @@ async def test_while_a_fenced_run_unwinds_its_lanes_free_slots_still_run_jobs(
     """What waits for a fenced run to end is the look-ahead alone: a lane's other
     slots claim and run jobs meanwhile, so one executor slow to unwind (a shielded
     clean-up) does not stall its whole lane."""
-    config = attrs.evolve(QUIET, heartbeat_interval=3600.0, lease=3 * 3600.0,
-                          queues={"slow": 2}, prefetch=2, maintenance=False)
-    queue = Queue(db, config=config)
-    started, unwind = trio.Event(), trio.Event()
-
-    async def run(ctx: PlainJobContext[Slow]) -> None:
-        if ctx.payload.n != 0 or ctx.attempt != 1:
-            return
-        started.set()
-        try:
-            await trio.sleep_forever()
-        except trio.Cancelled:
-            with trio.CancelScope(shield=True):
-                await unwind.wait()
-            raise
-
-    executors = Executors()
-    executors.register(Slow, run)
-    worker = Worker(queue, executors)
+    unwind = trio.Event()
+    lab = SlowToUnwind(db, 2, unwind.wait)
+    worker = lab.worker
     with trio.fail_after(TEST_DEADLINE):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
-            await queue.enqueue(Slow(n=0))
-            await started.wait()
+            await lab.queue.enqueue(Slow(n=0))
+            await lab.started.wait()
             await _declare_dead(db, worker)  # fenced, and registered anew
-            lane = next(lane for lane in worker.lanes if lane.name == "slow")
-            assert lane.state.fence_settling
-            await queue.enqueue_many([Job(Slow(n=n)) for n in (1, 2)])
+            assert lab.lane().fence_settling
+            await lab.queue.enqueue_many([Job(Slow(n=n)) for n in (1, 2)])
             worker.wake()
             await worker.wait_for(lambda s: s.done >= 2)  # run by the other slot
-            assert lane.state.fence_settling
+            assert lab.lane().fence_settling
             unwind.set()
             await worker.wait_for(lambda s: s.done >= 3)
-            assert not lane.state.fence_settling
+            assert not lab.lane().fence_settling
             worker.stop()
+    assert sorted(lab.order) == [0, 0, 1, 2]
 
 
 async def test_a_prefetched_job_cancelled_before_it_starts_never_runs(db: Database) -> None:
