@@ -370,12 +370,17 @@ async def test_the_fence_gives_back_the_buffered_jobs_at_once(db: Database) -> N
     assert [await plain_state(db, job_id) for job_id in rest] == [("completed", 1)] * 2
 
 
+#: The `n` of a job that holds its slot until its test releases it.
+HOLDS = 9
+
+
 class SlowToUnwind:
     """
     A lane of `slots` slots with a look-ahead of 2, whose `Slow(n=0)` holds its
     slot on its first run until the fence stops it, and then takes its time to
-    unwind (a shielded clean-up): until `unwinding` returns. Every other run
-    returns at once; `order` lists the runs by `n`.
+    unwind (a shielded clean-up): until `unwinding` returns. `Slow(n=HOLDS)`
+    holds its slot until `release`; every other run returns at once. `order`
+    lists the runs by `n`.
     """
 
     def __init__(self, db: Database, slots: int,
@@ -385,6 +390,8 @@ class SlowToUnwind:
         self.queue = Queue(db, config=config)
         self.unwinding = unwinding
         self.started, self.unwound = trio.Event(), trio.Event()
+        #: `Slow(n=HOLDS)` holds its slot from `holding` until `release`.
+        self.holding, self.release = trio.Event(), trio.Event()
         self.order: list[int] = []
         executors = Executors()
         executors.register(Slow, self.run)
@@ -395,6 +402,9 @@ class SlowToUnwind:
 
     async def run(self, ctx: PlainJobContext[Slow]) -> None:
         self.order.append(ctx.payload.n)
+        if ctx.payload.n == HOLDS:
+            self.holding.set()
+            await self.release.wait()
         if ctx.payload.n != 0 or ctx.attempt != 1:
             return
         self.started.set()
@@ -445,9 +455,10 @@ async def test_after_the_fence_a_lane_claims_only_once_its_stopped_runs_are_back
 
 async def test_while_a_fenced_run_unwinds_its_lanes_free_slots_still_run_jobs(
         db: Database) -> None:
-    """What waits for a fenced run to end is the look-ahead alone: a lane's other
-    slots claim and run jobs meanwhile, so one executor slow to unwind (a shielded
-    clean-up) does not stall its whole lane."""
+    """What waits for a fenced run to end is the look-ahead alone, and only until
+    that run ends: a lane's other slots claim and run jobs meanwhile (one executor
+    slow to unwind does not stall its lane), and the look-ahead is back as soon as
+    the stopped run ends, though the lane's other slot is still busy."""
     unwind = trio.Event()
     lab = SlowToUnwind(db, 2, unwind.wait)
     worker = lab.worker
@@ -457,16 +468,20 @@ async def test_while_a_fenced_run_unwinds_its_lanes_free_slots_still_run_jobs(
             await lab.queue.enqueue(Slow(n=0))
             await lab.started.wait()
             await _declare_dead(db, worker)  # fenced, and registered anew
-            assert lab.lane().fence_settling
+            assert lab.lane().fence_settling == 1
             await lab.queue.enqueue_many([Job(Slow(n=n)) for n in (1, 2)])
             worker.wake()
             await worker.wait_for(lambda s: s.done >= 2)  # run by the other slot
-            assert lab.lane().fence_settling
+            assert lab.lane().fence_settling == 1
+            await lab.queue.enqueue(Slow(n=HOLDS))
+            await lab.holding.wait()  # the other slot is busy from here on
             unwind.set()
-            await worker.wait_for(lambda s: s.done >= 3)
-            assert not lab.lane().fence_settling
+            await worker.wait_for(lambda s: lab.lane().fence_settling == 0)
+            assert lab.lane().running == 1
+            lab.release.set()
+            await worker.wait_for(lambda s: s.done >= 4)
             worker.stop()
-    assert sorted(lab.order) == [0, 0, 1, 2]
+    assert sorted(lab.order) == [0, 0, 1, 2, HOLDS]
 
 
 async def test_a_prefetched_job_cancelled_before_it_starts_never_runs(db: Database) -> None:

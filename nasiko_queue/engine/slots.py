@@ -92,6 +92,8 @@ class _Cut(BaseException):
         self.outcome = outcome
         #: When the slot took the job (`trio.current_time()`), for the look-ahead.
         self.took = started
+        #: The worker's `fence_epoch` when the slot took the job.
+        self.epoch = 0
 
 
 def _uncancelled(exc: BaseException) -> BaseException | None:
@@ -171,7 +173,7 @@ class Slots(abc.ABC, Generic[S]):
                     log.exception("job %s: internal error; counted as a crash", cut.job.id)
                     await self.reset_panicked_job(cut.job, None)
             finally:
-                self._ran(cut.job, cut.took, finish)
+                self._ran(cut.job, cut.took, cut.epoch, finish)
         return True
 
     async def _run_job(self, job: ClaimedJob, scope: trio.CancelScope) -> None:
@@ -180,7 +182,7 @@ class Slots(abc.ABC, Generic[S]):
         state.stats.running += 1
         state.running += 1
         finish: Finish | None = None
-        took = trio.current_time()
+        took, epoch = trio.current_time(), state.worker.fence_epoch
         cut = False
         try:
             finish = await self.run_claimed(job, scope)
@@ -188,7 +190,7 @@ class Slots(abc.ABC, Generic[S]):
             # Its bookkeeping waits until the slot has dealt with it (a cancel
             # request's mark is read there).
             cut = True
-            exc.took = took
+            exc.took, exc.epoch = took, epoch
             raise
         except Exception:
             # Not the executor (its crashes are handled in run_guarded) and not
@@ -200,9 +202,9 @@ class Slots(abc.ABC, Generic[S]):
             await self.reset_panicked_job(job, None)
         finally:
             if not cut:
-                self._ran(job, took, finish)
+                self._ran(job, took, epoch, finish)
 
-    def _ran(self, job: ClaimedJob, took: float, finish: Finish | None) -> None:
+    def _ran(self, job: ClaimedJob, took: float, epoch: int, finish: Finish | None) -> None:
         """A job's run is over: count it, and hand its finish to the completer.
 
         No checkpoint between the executor's return and this hand-over: a hard
@@ -210,8 +212,10 @@ class Slots(abc.ABC, Generic[S]):
         state = self.state
         state.stats.running -= 1
         state.running -= 1
-        if not state.running:  # the runs a fence stopped are back: claim again
-            state.fence_settling = False
+        if state.fence_settling and epoch != state.worker.fence_epoch:
+            # A run the fence stopped (it began before the fence) has ended: its
+            # job is back. Once all have, the look-ahead claims again.
+            state.fence_settling -= 1
         # The run is over: a cancel mark of its claim is stale (one
         # delivered as it crashed would else stop the job's next run
         # of the same attempt number, after a dead-letter retry).

@@ -278,13 +278,13 @@ class LaneState:
     kicked: trio.Event = attrs.Factory(trio.Event)
     #: Jobs in this lane's slots now (`stats.running` counts every lane's).
     running: int = 0
-    #: The fence stopped runs in this lane's slots that have not ended yet (their
-    #: jobs are on their way back): claim no look-ahead until they have. Put back
-    #: due at once and first in line, they would else run after whatever a
-    #: look-ahead claim, sent as the worker registers anew, took meanwhile. Free
+    #: How many runs the fence stopped in this lane's slots have not ended yet
+    #: (their jobs are on their way back): claim no look-ahead until they have.
+    #: Put back due at once and first in line, they would else run after whatever
+    #: a look-ahead claim, sent as the worker registers anew, took meanwhile. Free
     #: slots still claim (their jobs start at once), so that one executor slow to
-    #: unwind holds back no more than the look-ahead.
-    fence_settling: bool = False
+    #: unwind holds back no more than the look-ahead, and only until it ends.
+    fence_settling: int = 0
     #: The drain under way (or last run) in this lane: a claim sent during an
     #: earlier drain, or before a wake that re-armed this one (`rearm`), must
     #: not end the current one.

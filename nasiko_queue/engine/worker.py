@@ -256,7 +256,7 @@ class Worker:
             lane_state.buffer.clear()
             state.stats.buffered -= dropped
             # Its stopped runs go back first: no look-ahead until they have ended.
-            lane_state.fence_settling = lane_state.running > 0
+            lane_state.fence_settling = lane_state.running
             lane_state.end_drain()
             lane_state.kick()
         state.notify()
