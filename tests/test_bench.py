@@ -16,7 +16,7 @@ import trio
 from rich.table import Table
 
 from benchmarks import job_costs, runner, workloads
-from benchmarks.plain import BenchPing
+from benchmarks.plain import BenchPadded, BenchPing
 from nasiko_queue import open_database
 from nasiko_queue.builds.payloads import PayloadCodec
 
@@ -210,15 +210,23 @@ async def test_the_build_and_plain_drains_take_turns_and_are_shown_as_a_ratio(
     assert "x padded (rounds: " in note, note
 
 
-def test_the_padded_plain_drain_carries_a_payload_as_long_as_the_build_drains() -> None:
-    """The padded plain job of the build-vs-plain block is exactly as long, in JSON, as
-    the build job `workloads.drain` prepares: the ratio to it leaves the payload's size
-    out of the comparison."""
+async def test_the_padded_plain_drain_carries_a_payload_as_long_as_the_build_drains(
+        dsn: str) -> None:
+    """The padded plain jobs the build-vs-plain block drains are exactly as long, in
+    the compact JSON enqueued, as the build jobs `workloads.drain` prepares: the ratio
+    to them leaves the payload's size out of the comparison."""
     length = workloads.drain_payload_bytes()
     assert length > 300  # an Upload with three ids, paths, a name: not a stub
+    result = await trio.to_thread.run_sync(
+        lambda: job_costs.plain_drain(dsn, 3, 1, "p0", "plain_padded"))
+    assert result["jobs"] == 3
+    async with open_database(dsn) as db:
+        stored = await db.fetch("SELECT payload::text AS p FROM nasiko_queue_jobs")
     codec = PayloadCodec()
-    padded = job_costs.padded_payloads(3, length)
-    assert [len(codec.dumps(p)) for p in padded] == [length] * 3
+    compact = [len(codec.dumps(BenchPadded(**{k: v for k, v in json.loads(row["p"]).items()
+                                               if k != "kind"})))
+               for row in stored]
+    assert compact == [length] * 3
     with pytest.raises(ValueError, match="plain_padded"):
         job_costs.plain_drain("postgresql://unused", 1, 1, "p0", "build")
 
