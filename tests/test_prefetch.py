@@ -18,7 +18,9 @@ import trio.testing
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Worker
 from nasiko_queue.builds.store import PgJobStore
+from nasiko_queue.db.statements import Q
 from nasiko_queue.errors import ConfigurationError
+from nasiko_queue.plain.store import PlainJobStore
 from nasiko_queue.testing import KINDS, Enqueued, enqueue_with_target
 
 from .helpers import TEST_DEADLINE, executors_for_all, job_row, running, succeed
@@ -517,3 +519,84 @@ async def test_a_plain_lane_claims_ahead_by_default_as_its_run_times_say(
             release.set()
             await worker.wait_for(lambda s: s.done == 8)
     assert worker.stats.returned == 0
+
+
+# -- a give-back restores `attempted_at` ----------------------------------------------------
+
+#: The test SQL that sets a job up: due long ago (claimed first), or crashed once
+#: two minutes ago and due again since a minute ago.
+DUE_LONG_AGO = "UPDATE nasiko_queue_jobs SET run_at = now() - interval '1 hour' WHERE id = $1"
+CRASHED_ONCE = """
+UPDATE nasiko_queue_jobs
+SET attempt = 1, attempted_at = now() - interval '2 minutes', run_at = now() - interval '1 minute'
+WHERE id = $1
+RETURNING attempted_at
+"""
+PLAIN_ROW = "SELECT state, attempt, attempted_at FROM nasiko_queue_jobs WHERE id = $1"
+
+
+async def _fresh_and_retried(queue: Queue) -> tuple[Any, Any, Any]:
+    """A retried job (crashed on attempt 1) and a fresh one, due in that order;
+    returns their ids and the crashed attempt's `attempted_at`."""
+    retried = await queue.enqueue(Ping(n=1))
+    fresh = await queue.enqueue(Ping(n=2))
+    crashed_at = await queue.db.fetchval(CRASHED_ONCE, retried)
+    return retried, fresh, crashed_at
+
+
+async def test_a_hard_stop_gives_back_look_ahead_with_the_attempted_at_it_had(
+    queue: Queue,
+) -> None:
+    """
+    Look-ahead that a hard stop gives back never ran: its attempt is restored,
+    and so is `attempted_at` ("when its last attempt was claimed"): NULL for a
+    job that never ran, the crashed attempt's claim for a retried one. Left at
+    the give-back's claim, a fresh job showed an attempt time at attempt 0, and
+    a retried one a claim after its retry's due time (run_at - attempted_at
+    below its backoff). Found by the plain state machine beside a CPU hog: "its
+    retry is -0.20701s after its claim, the backoff window is [60.0, 65.0]".
+    """
+    started, release = trio.Event(), trio.Event()
+    executors = Executors()
+
+    @executors.register(Ping)
+    async def run(ctx: PlainJobContext[Ping]) -> None:
+        started.set()
+        await release.wait()  # the first job holds the lane's one slot
+
+    hold = await queue.enqueue(Ping(n=0))
+    await queue.db.execute(DUE_LONG_AGO, hold)
+    retried, fresh, crashed_at = await _fresh_and_retried(queue)
+    worker = Worker(_with(queue, prefetch=2), executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await started.wait()
+            await worker.wait_for(lambda s: s.buffered == 2)
+            nursery.cancel_scope.cancel()
+    assert (worker.stats.released, worker.stats.returned) == (1, 2)
+    assert tuple(await queue.db.fetchrow(PLAIN_ROW, retried)) == ("available", 1, crashed_at)
+    assert tuple(await queue.db.fetchrow(PLAIN_ROW, fresh)) == ("available", 0, None)
+
+
+@pytest.mark.parametrize("how", ["unclaim", "lost claim"])
+async def test_each_give_back_of_a_plain_claim_restores_attempted_at(
+    queue: Queue, how: str
+) -> None:
+    """The two statements that give a plain claim back: `plain_unclaim` (look-ahead
+    past its TTL, a stop, a slot gone) and `plain_unclaim_lost` (a claim whose
+    answer never came, found by its token) restore `attempted_at` with the attempt."""
+    retried, fresh, crashed_at = await _fresh_and_retried(queue)
+    store = PlainJobStore(queue.db, queue.config, Ping.options.queue, lambda: None)
+    claimed = await store.claim(2)
+    assert [job.id for job in claimed] == [retried, fresh]
+    for job_id in (retried, fresh):
+        assert (await queue.db.fetchrow(PLAIN_ROW, job_id))["attempted_at"] is not None
+    if how == "unclaim":
+        assert await store.unclaim(claimed) == 2
+    else:
+        token = await queue.db.fetchval(
+            "SELECT claim_token FROM nasiko_queue_jobs WHERE id = $1", retried)
+        assert await queue.db.fetchval(Q.plain_unclaim_lost, token) == 2
+    assert tuple(await queue.db.fetchrow(PLAIN_ROW, retried)) == ("available", 1, crashed_at)
+    assert tuple(await queue.db.fetchrow(PLAIN_ROW, fresh)) == ("available", 0, None)

@@ -1021,9 +1021,10 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted;
 -- more than its concurrency and rate limits allow; $6: the running jobs the
 -- same statement completes (they free their slots). The scalar subquery makes
 -- its answer an init plan, computed once, so the id lookup stays an index scan.
+-- The attempted_at it replaces is kept for a give-back to restore (0025).
 UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
-    claim_token = $3, claimed_by = $4
+    previous_attempted_at = j.attempted_at, claim_token = $3, claimed_by = $4
 WHERE j.id = ANY (CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
                        THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[]))
                        ELSE ARRAY(
@@ -1132,18 +1133,21 @@ WHERE id = $1 AND attempt = $2 AND state = 'running';
 
 -- name: plain_unclaim
 -- Claimed jobs that never started ($1 ids, $2 attempts): available again, the
--- attempt restored.
+-- attempt restored, and with it attempted_at (the claim kept the value it
+-- replaced, migration 0025).
 UPDATE nasiko_queue_jobs AS j
-SET state = 'available', attempt = j.attempt - 1, claimed_by = NULL, claim_token = NULL
+SET state = 'available', attempt = j.attempt - 1, attempted_at = j.previous_attempted_at,
+    claimed_by = NULL, claim_token = NULL
 FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
 WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt;
 
 -- name: plain_unclaim_lost
 -- What a claim whose answer was lost took (token $1): available again, the
--- attempt restored. Returns how many.
+-- attempt and attempted_at restored (as in plain_unclaim). Returns how many.
 WITH given AS (
     UPDATE nasiko_queue_jobs
-    SET state = 'available', attempt = attempt - 1, claimed_by = NULL, claim_token = NULL
+    SET state = 'available', attempt = attempt - 1, attempted_at = previous_attempted_at,
+        claimed_by = NULL, claim_token = NULL
     WHERE claim_token = $1 AND state = 'running'
     RETURNING id
 )

@@ -128,11 +128,13 @@ DECLARE_DEAD = "UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1"
 #: holds keeps its run_at when the rescue gives it back, and must then be due
 #: (and ordered) as the model says; attempted_at moves with it, so that a
 #: crashed job's backoff window keeps its width (and a claim only gets older,
-#: which the rescue's lease check allows).
+#: which the rescue's lease check allows); and the value a running job's claim
+#: replaced, which a give-back restores.
 AGE_JOBS = """
 UPDATE nasiko_queue_jobs
 SET run_at = run_at - make_interval(secs => $1::double precision),
-    attempted_at = attempted_at - make_interval(secs => $1::double precision)
+    attempted_at = attempted_at - make_interval(secs => $1::double precision),
+    previous_attempted_at = previous_attempted_at - make_interval(secs => $1::double precision)
 """
 
 #: `testing_worker_expire` moves a dead worker's build claims back with its
