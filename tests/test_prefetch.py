@@ -284,16 +284,22 @@ async def test_a_stop_gives_back_the_buffer_once_the_claim_in_flight_has_landed(
     assert await _rows(queue, jobs) == [("done", 1, True), ("pending", 0, False)]
 
 
-async def test_hard_stop_gives_back_prefetched_jobs_and_releases_the_running_one(
-    queue: Queue,
-) -> None:
-    worker, jobs, started, _release = await _block_first_job(queue, 4, prefetch=2)
+async def _hard_stop_holding(worker: Worker, started: trio.Event, *, buffered: int) -> None:
+    """Run `worker` until its first job has started and `buffered` more wait
+    claimed ahead of it, then stop it hard (its nursery cancelled)."""
     with trio.fail_after(TEST_DEADLINE):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
             await started.wait()
-            await worker.wait_for(lambda s: s.buffered == 2)
+            await worker.wait_for(lambda s: s.buffered == buffered)
             nursery.cancel_scope.cancel()
+
+
+async def test_hard_stop_gives_back_prefetched_jobs_and_releases_the_running_one(
+    queue: Queue,
+) -> None:
+    worker, jobs, started, _release = await _block_first_job(queue, 4, prefetch=2)
+    await _hard_stop_holding(worker, started, buffered=2)
     # The running job ran, so its attempt stays counted; the prefetched two never did.
     assert await _rows(queue, jobs) == [("pending", 1, False)] + [("pending", 0, False)] * 3
     assert (worker.stats.released, worker.stats.returned) == (1, 2)
@@ -568,12 +574,7 @@ async def test_a_hard_stop_gives_back_look_ahead_with_the_attempted_at_it_had(
     await queue.db.execute(DUE_LONG_AGO, hold)
     retried, fresh, crashed_at = await _fresh_and_retried(queue)
     worker = Worker(_with(queue, prefetch=2), executors)
-    with trio.fail_after(TEST_DEADLINE):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            await started.wait()
-            await worker.wait_for(lambda s: s.buffered == 2)
-            nursery.cancel_scope.cancel()
+    await _hard_stop_holding(worker, started, buffered=2)
     assert (worker.stats.released, worker.stats.returned) == (1, 2)
     assert tuple(await queue.db.fetchrow(PLAIN_ROW, retried)) == ("available", 1, crashed_at)
     assert tuple(await queue.db.fetchrow(PLAIN_ROW, fresh)) == ("available", 0, None)
