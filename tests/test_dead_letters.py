@@ -109,6 +109,23 @@ async def test_a_discarded_plain_job_is_listed_with_its_errors_retried_and_runs_
     assert await list_jobs(queue.db) == []
 
 
+async def test_a_retried_plain_job_is_available_as_if_enqueued(queue: Queue) -> None:
+    """What the retry writes, before any worker sees it: the job as an enqueue
+    writes it, `attempted_at` included (NULL at attempt 0, as for a build job's
+    `picked_at`); it kept the dead run's claim time, an attempt time at attempt 0."""
+    executors = Executors()
+    executors.register(Mail, backoff=no_backoff)(Flaky())
+    job_id = await queue.enqueue(Mail(to="a@example.com"))
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.failed >= 1)
+    assert await retry(queue.db, job_id) == "plain"
+    row = await queue.db.fetchrow(
+        "SELECT state, attempt, error_msg, attempted_at, finished_at, claimed_by, "
+        "claim_token, run_at <= now() AS due FROM nasiko_queue_jobs WHERE id = $1", job_id)
+    assert tuple(row) == ("available", 0, None, None, None, None, None, True)
+
+
 async def test_retry_refuses_a_job_that_is_not_dead(queue: Queue) -> None:
     job_id = await queue.enqueue(Mail(to="b@example.com"))
     with pytest.raises(JobRefused, match="is available: only discarded or cancelled"):

@@ -1410,12 +1410,14 @@ SELECT state, unique_key FROM nasiko_queue_jobs WHERE id = $1 FOR UPDATE;
 
 -- name: plain_requeue
 -- Retry a dead plain job (discarded or cancelled): available now, as if just
--- enqueued: attempts from 0, no error, not finished, no claim, no cancel asked.
--- Its kept errors stay (they are its history). A unique key held by another job
--- in one of this job's unique states raises unique_violation.
+-- enqueued: attempts from 0, never attempted, no error, not finished, no claim,
+-- no cancel asked. Its kept errors stay (they are its history, with their times).
+-- A unique key held by another job in one of this job's unique states raises
+-- unique_violation.
 UPDATE nasiko_queue_jobs
 SET state = 'available', attempt = 0, run_at = now(), error_msg = NULL, finished_at = NULL,
-    claimed_by = NULL, claim_token = NULL, cancel_requested = false, result = NULL
+    attempted_at = NULL, claimed_by = NULL, claim_token = NULL, cancel_requested = false,
+    result = NULL
 WHERE id = $1 AND state IN ('discarded', 'cancelled');
 
 -- name: plain_delete_finished
