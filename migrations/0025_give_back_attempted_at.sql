@@ -10,8 +10,14 @@
 -- its backoff was over before it was claimed.
 --
 -- The claim now keeps the value it replaces in previous_attempted_at (read only
--- while the job is running; the row is written by the claim anyway, and the
--- column adds 8 bytes to it), and each give-back puts it back. Build jobs need
+-- while the job is running), and each give-back puts it back. The row is written
+-- by the claim anyway: a first attempt replaces NULL and stores nothing more; a
+-- row claimed again stores 8 bytes, and, the column being the row's last, that
+-- claim's WAL record carries the row's unchanged end too (0022: the part of a
+-- same-page update that changed is logged, from its first to its last changed
+-- byte). Measured (issue #25): a first attempt's WAL unchanged; a re-claim of a
+-- row whose last error is 54 characters 878-879 -> 936-938 bytes, 10 rows a
+-- statement, right after a checkpoint. Build jobs need
 -- nothing: their give-back clears picked_at, as the original's pending rows have
 -- it. Adding a nullable column with no default rewrites nothing; the ALTER takes
 -- its lock for a moment.

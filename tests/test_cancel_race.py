@@ -42,7 +42,7 @@ from .test_plain_jobs import Step
 CLAIM_ONE = """
 UPDATE nasiko_queue_jobs
 SET state = 'running', attempt = attempt + 1, attempted_at = now(),
-    claimed_by = $2, claim_token = gen_random_uuid()
+    previous_attempted_at = attempted_at, claimed_by = $2, claim_token = gen_random_uuid()
 WHERE id = $1 AND state = 'available'
 """
 

@@ -164,7 +164,9 @@ async def test_a_new_keys_first_job_is_claimed_within_one_claim_round(
     the replicas have slots (one claim round) before B's first is.
 
     Counted at the claim (each job's `attempted_at`, its claim's clock), which is
-    what the limit decides. Starts would also count A jobs claimed before B was
+    what the limit decides; a job's last claim only: one claimed again since, or
+    claimed ahead and given back unstarted (its `attempted_at` restored), is not
+    counted at the earlier claim. Starts would also count A jobs claimed before B was
     visible: those in the replicas' look-ahead buffers (on by default for plain
     queues) and those whose executors the CPU started late; under two CPU hogs 9
     A jobs started between B's enqueue and B's first start."""
