@@ -1416,8 +1416,8 @@ SELECT state, unique_key FROM nasiko_queue_jobs WHERE id = $1 FOR UPDATE;
 -- unique_violation.
 UPDATE nasiko_queue_jobs
 SET state = 'available', attempt = 0, run_at = now(), error_msg = NULL, finished_at = NULL,
-    attempted_at = NULL, claimed_by = NULL, claim_token = NULL, cancel_requested = false,
-    result = NULL
+    attempted_at = NULL, claimed_by = NULL, claim_token = NULL,
+    cancel_requested = false, result = NULL
 WHERE id = $1 AND state IN ('discarded', 'cancelled');
 
 -- name: plain_delete_finished
