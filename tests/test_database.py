@@ -145,6 +145,46 @@ async def test_connection_terminated_by_the_server(dsn: str, queue: Queue) -> No
         assert (await job_row(queue.db, j.job_id) or {})["status"] == "done"
 
 
+
+async def test_a_transaction_whose_begin_meets_a_dead_connection_runs_on_a_fresh_one(
+    dsn: str,
+) -> None:
+    """
+    A pooled connection the server closed while it sat idle (a restart,
+    `pg_terminate_backend`, a proxy's idle timeout) is found dead only by the
+    next statement sent on it. When that statement is a transaction's BEGIN,
+    nothing has run yet, so `Database.transaction()` takes a fresh connection
+    and begins again. Before, asyncpg had already handed the dead connection
+    back to its pool as it noticed the loss, and the transaction's cleanup
+    then failed on it ("cannot call Connection.terminate(): connection has been
+    released back to the pool"), hiding the loss itself. The proxy closes the
+    connection on the BEGIN's text, so the loss lands there every run;
+    `test_connection_terminated_by_the_server` met it by chance in CI.
+    """
+    import asyncpg
+
+    from .netproxy import Proxy
+
+    proxy = Proxy(dsn)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(proxy.run)
+            async with open_database(proxy.dsn()) as db:
+                assert await db.fetchval("SELECT 1") == 1
+                proxy.cut_on(b"BEGIN")
+                async with db.transaction() as tx:
+                    assert await tx.fetchval("SELECT 2") == 2
+                assert proxy.cut.is_set()
+                assert await db.fetchval("SELECT 3") == 3
+                # A single statement is not sent again (it may have run), but the
+                # caller gets the loss itself, not the cleanup's complaint.
+                proxy.cut_on(b"SELECT 4")
+                with pytest.raises(asyncpg.ConnectionDoesNotExistError):
+                    await db.fetchval("SELECT 4")
+                assert await db.fetchval("SELECT 5") == 5
+            nursery.cancel_scope.cancel()
+
+
 async def test_queue_statements_keep_generic_plans_and_application_sql_does_not(
     queue: Queue,
 ) -> None:

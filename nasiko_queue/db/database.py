@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
 
 import asyncpg
@@ -266,7 +266,7 @@ class Database:
         except _BROKEN_CONNECTION:
             # The connection itself failed (dropped, or left in a state asyncpg
             # cannot continue from): never hand it out again.
-            conn.terminate()
+            _discard(conn)
             raise
         finally:
             await self._release_after_use(pool, conn)
@@ -458,14 +458,12 @@ class Database:
         shielded from cancellation and bounded by `cleanup_timeout`; a connection
         whose rollback did not finish is closed rather than returned.
         """
-        conn = await self._cross(self._pool.acquire(timeout=self.config.connect_timeout))
+        conn, aio_tx = await self._begin()
         # Reused only when we know its state: committed, or rolled back cleanly.
-        # A BEGIN or COMMIT interrupted half-way leaves asyncpg and the server
-        # disagreeing about the transaction; such a connection is closed.
+        # A COMMIT interrupted half-way leaves asyncpg and the server disagreeing
+        # about the transaction; such a connection is closed.
         reusable = False
         try:
-            aio_tx = conn.transaction()
-            await self._cross(aio_tx.start())
             tx = Transaction(self, conn)
             try:
                 yield tx
@@ -485,8 +483,37 @@ class Database:
                 callback()
         finally:
             if not reusable:
-                conn.terminate()
+                _discard(conn)
             await self._cleanup(self._pool.release(conn), "release")
+
+    async def _begin(self) -> tuple[asyncpg.Connection, Any]:
+        """
+        A pooled connection and its transaction, begun.
+
+        A connection the server closed while it sat in the pool (a restart,
+        `pg_terminate_backend`, a proxy's idle timeout) is found dead only by
+        the next statement sent on it; when that is the BEGIN, nothing has run
+        yet, so the BEGIN goes again on another connection. At most once per
+        connection the pool can hold, so that an outage still surfaces (its
+        connects fail at the acquire, which is not retried here). A BEGIN
+        interrupted otherwise (cancelled, refused) closes its connection, whose
+        state asyncpg and the server may disagree on, and raises.
+        """
+        for tries in range(self._pool.get_max_size(), -1, -1):
+            conn = await self._cross(self._pool.acquire(timeout=self.config.connect_timeout))
+            aio_tx = conn.transaction()
+            try:
+                await self._cross(aio_tx.start())
+            except BaseException as exc:
+                _discard(conn)
+                await self._cleanup(self._pool.release(conn), "release")
+                if tries and is_connection_error(exc):
+                    log.info("a pooled connection was closed by the server (%s); "
+                             "beginning again on another", type(exc).__name__)
+                    continue
+                raise
+            return conn, aio_tx
+        raise AssertionError("unreachable: the last try returns or raises")
 
     async def _cleanup(self, coro: Coroutine[Any, Any, Any], what: str) -> bool:
         """
@@ -625,6 +652,17 @@ class _Abandoned(Exception):
 def _maybe_sent(exc: BaseException) -> bool:
     """Whether a statement that failed with `exc` may still have committed."""
     return is_connection_error(exc) or isinstance(exc, asyncpg.QueryCanceledError)
+
+
+def _discard(conn: asyncpg.Connection) -> None:
+    """
+    Close a pooled connection for good, unless asyncpg already has: a
+    connection it saw lost (the server closed it) goes back to its pool on its
+    own, and its proxy then refuses every call, `terminate()` included. Raising
+    that here would hide the loss that the caller is about to report.
+    """
+    with suppress(asyncpg.InterfaceError):
+        conn.terminate()
 
 
 def _drop_late_result(task: Any) -> None:
