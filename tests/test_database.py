@@ -145,7 +145,6 @@ async def test_connection_terminated_by_the_server(dsn: str, queue: Queue) -> No
         assert (await job_row(queue.db, j.job_id) or {})["status"] == "done"
 
 
-
 async def test_a_transaction_whose_begin_meets_a_dead_connection_runs_on_a_fresh_one(
     dsn: str,
 ) -> None:

@@ -27,8 +27,10 @@ server process that received it.
 
 The pool connects lazily (min_size 0), so a worker can start while the server is
 down and simply fail operations until it is back; asyncpg replaces connections
-that died. Nothing here retries: the callers decide (the worker retries final
-updates with backoff; a claim that fails waits for the next wake).
+that died. Nothing here retries a statement: the callers decide (the worker
+retries final updates with backoff; a claim that fails waits for the next wake).
+The one exception is a transaction's BEGIN sent on a pooled connection the
+server had closed: nothing has run, so it begins again on another (`_begin`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ T = TypeVar("T")
 #: these is terminated rather than returned.
 _BROKEN_CONNECTION = (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError,
                       asyncpg.PostgresConnectionError)
+
+#: Errors that say a connection was found closed when a statement was sent on it
+#: (not that a statement timed out, or a connect failed): the server closed it while
+#: it sat in the pool. asyncpg raises ConnectionDoesNotExistError for a loss seen
+#: mid-statement, AdminShutdownError for the server's FATAL notice, InterfaceError
+#: once its proxy was released on the loss, InternalClientError for a notice read
+#: while idle; the OS the others.
+_FOUND_CLOSED = (asyncpg.ConnectionDoesNotExistError, asyncpg.AdminShutdownError,
+                 asyncpg.InterfaceError, asyncpg.InternalClientError, ConnectionResetError,
+                 BrokenPipeError)
 
 #: An operation run on the asyncio side with one pooled connection.
 Operation = Callable[[asyncpg.Connection], Awaitable[T]]
@@ -456,7 +468,9 @@ class Database:
         Committed when the block exits normally, rolled back when it raises or is
         cancelled. Commit, rollback and the connection's return to the pool are
         shielded from cancellation and bounded by `cleanup_timeout`; a connection
-        whose rollback did not finish is closed rather than returned.
+        whose rollback did not finish is closed rather than returned. A BEGIN that
+        finds its pooled connection closed by the server begins again on another
+        (`_begin`).
         """
         conn, aio_tx = await self._begin()
         # Reused only when we know its state: committed, or rolled back cleanly.
@@ -494,20 +508,22 @@ class Database:
         `pg_terminate_backend`, a proxy's idle timeout) is found dead only by
         the next statement sent on it; when that is the BEGIN, nothing has run
         yet, so the BEGIN goes again on another connection. At most once per
-        connection the pool can hold, so that an outage still surfaces (its
-        connects fail at the acquire, which is not retried here). A BEGIN
-        interrupted otherwise (cancelled, refused) closes its connection, whose
-        state asyncpg and the server may disagree on, and raises.
+        connection the pool can hold, and only for errors that say the
+        connection was found closed (`_FOUND_CLOSED`): not a BEGIN that got no
+        answer in time (a hung network), which would wait again on each try, and
+        not an outage, whose connects fail at the acquire (not retried here). A
+        BEGIN interrupted otherwise (cancelled, timed out, refused) closes its
+        connection, whose state asyncpg and the server may disagree on, and raises.
         """
         for tries in range(self._pool.get_max_size(), -1, -1):
             conn = await self._cross(self._pool.acquire(timeout=self.config.connect_timeout))
-            aio_tx = conn.transaction()
             try:
+                aio_tx = conn.transaction()  # refused too, if asyncpg saw the loss first
                 await self._cross(aio_tx.start())
             except BaseException as exc:
                 _discard(conn)
                 await self._cleanup(self._pool.release(conn), "release")
-                if tries and is_connection_error(exc):
+                if tries and isinstance(exc, _FOUND_CLOSED):
                     log.info("a pooled connection was closed by the server (%s); "
                              "beginning again on another", type(exc).__name__)
                     continue
