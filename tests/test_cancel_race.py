@@ -35,7 +35,7 @@ from nasiko_queue.engine.state import WorkerStats
 from nasiko_queue.plain.store import PlainJobStore
 
 from .conftest import FAST
-from .helpers import TEST_DEADLINE
+from .helpers import TEST_DEADLINE, running
 from .test_plain_jobs import Step
 
 #: What a claim does to the row it takes (`plain_claim`, for one row).
@@ -264,3 +264,78 @@ async def test_enqueue_then_cancel_against_a_live_worker_never_loses(db: Databas
 
 def _cancelled_more(before: int, stats: WorkerStats) -> bool:
     return stats.cancelled > before
+
+
+@pytest.mark.parametrize("how", ["unclaim", "lost claim"])
+async def test_a_give_back_of_a_job_asked_to_stop_ends_it_cancelled(
+    queue: Queue, how: str
+) -> None:
+    """
+    A job claimed into a look-ahead buffer and cancelled there ("cancelling":
+    its row is running) is given back unstarted: by a stop, its TTL, the fence,
+    or as a claim whose answer was lost. It ends `cancelled` without starting,
+    its attempt restored, never available again (it used to go back to
+    available, flag and all, and the next claim ran it to `completed`).
+    """
+    job_id = await queue.enqueue(Step(n=1))
+    other = await queue.enqueue(Step(n=2))
+    store = PlainJobStore(queue.db, queue.config, "default", lambda: None)
+    claimed = await store.claim(2)
+    assert {job.id for job in claimed} == {job_id, other}
+    assert await queue.cancel(job_id) is CancelResult.CANCELLING
+    if how == "unclaim":
+        assert await store.unclaim(claimed) == 2
+    else:
+        token = await queue.db.fetchval(
+            "SELECT claim_token FROM nasiko_queue_jobs WHERE id = $1", job_id)
+        assert await queue.db.fetchval(Q.plain_unclaim_lost, token) == 2
+    row = await queue.db.fetchrow(ROW, job_id)
+    assert (row["state"], row["error_msg"]) == ("cancelled", "cancelled")
+    assert row["finished_at"] is not None
+    attempts = await queue.db.fetch(
+        "SELECT id, state, attempt, claimed_by, claim_token FROM nasiko_queue_jobs")
+    assert {(r["id"], r["state"], r["attempt"], r["claimed_by"], r["claim_token"])
+            for r in attempts} == {(job_id, "cancelled", 0, None, None),
+                                   (other, "available", 0, None, None)}
+    assert [job.id for job in await store.claim(2)] == [other]  # never claimed again
+    assert await queue.cancel(job_id) is CancelResult.ALREADY_CANCELLED
+
+
+async def test_a_job_cancelled_in_the_prefetch_buffer_ends_cancelled_at_a_graceful_stop(
+    queue: Queue,
+) -> None:
+    """
+    A worker with one slot runs job 1 and holds job 2 claimed ahead of it; job 2
+    is cancelled ("cancelling"), the heartbeat marks it in the buffer, and the
+    worker is asked to stop: the buffer is given back, and job 2 ends
+    `cancelled`, never run. Failed before the fix: the give-back made it
+    available again, flag and all, for the next worker to run to `completed`.
+    """
+    ran: list[int] = []
+    hold, first_started = trio.Event(), trio.Event()
+    executors = Executors()
+
+    @executors.register(Step)
+    async def step(ctx: PlainJobContext[Step]) -> None:
+        ran.append(ctx.payload.n)
+        if ctx.payload.n == 1:
+            first_started.set()
+            await hold.wait()
+
+    first = await queue.enqueue(Step(n=1))
+    second = await queue.enqueue(Step(n=2))
+    prefetching = Queue(queue.db, config=attrs.evolve(queue.config, prefetch=1))
+    async with running(prefetching, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await first_started.wait()
+            await worker.wait_for(lambda s: s.buffered == 1)
+            assert await queue.cancel(second) is CancelResult.CANCELLING
+            await worker.heartbeat.beat_once()  # delivers the cancel to the buffer
+            worker.stop()
+            await worker.wait_for(lambda s: s.returned == 1)
+            hold.set()
+    rows = {r["id"]: (r["state"], r["attempt"], r["error_msg"]) for r in await queue.db.fetch(
+        "SELECT id, state, attempt, error_msg FROM nasiko_queue_jobs")}
+    assert rows == {first: ("completed", 1, None), second: ("cancelled", 0, "cancelled")}
+    assert ran == [1]
+    assert not worker.state.cancels  # the give-back spent the buffered job's mark

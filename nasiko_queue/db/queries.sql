@@ -1132,21 +1132,34 @@ SET (state, finished_at, error_msg, claimed_by) = (
 WHERE id = $1 AND attempt = $2 AND state = 'running';
 
 -- name: plain_unclaim
--- Claimed jobs that never started ($1 ids, $2 attempts): available again, the
--- attempt restored, and with it attempted_at (the claim kept the value it
--- replaced, migration 0025).
+-- Claimed jobs that never started ($1 ids, $2 attempts): the attempt restored,
+-- and with it attempted_at (the claim kept the value it replaced, migration
+-- 0025); available again, or cancelled when a cancel was asked for while the
+-- job waited (nasiko_queue_run_end's rule: it ends without starting, not run
+-- by the next claim).
 UPDATE nasiko_queue_jobs AS j
-SET state = 'available', attempt = j.attempt - 1, attempted_at = j.previous_attempted_at,
+SET (state, finished_at, error_msg) = (
+        SELECT e.state,
+               CASE WHEN e.state <> 'available' THEN now() END,
+               CASE WHEN e.state = 'cancelled' THEN 'cancelled' ELSE j.error_msg END
+        FROM nasiko_queue_run_end(j.cancel_requested, false) AS e(state)),
+    attempt = j.attempt - 1, attempted_at = j.previous_attempted_at,
     claimed_by = NULL, claim_token = NULL
 FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
 WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt;
 
 -- name: plain_unclaim_lost
--- What a claim whose answer was lost took (token $1): available again, the
--- attempt and attempted_at restored (as in plain_unclaim). Returns how many.
+-- What a claim whose answer was lost took (token $1): the attempt and
+-- attempted_at restored, available again or cancelled (as in plain_unclaim).
+-- Returns how many.
 WITH given AS (
     UPDATE nasiko_queue_jobs
-    SET state = 'available', attempt = attempt - 1, attempted_at = previous_attempted_at,
+    SET (state, finished_at, error_msg) = (
+            SELECT e.state,
+                   CASE WHEN e.state <> 'available' THEN now() END,
+                   CASE WHEN e.state = 'cancelled' THEN 'cancelled' ELSE error_msg END
+            FROM nasiko_queue_run_end(cancel_requested, false) AS e(state)),
+        attempt = attempt - 1, attempted_at = previous_attempted_at,
         claimed_by = NULL, claim_token = NULL
     WHERE claim_token = $1 AND state = 'running'
     RETURNING id

@@ -262,6 +262,10 @@ class Producer:
 
     async def _give_back(self, jobs: list[ClaimedJob], why: str) -> None:
         state = self.state
+        for job in jobs:
+            # A cancel mark of a buffered job is spent: the give-back ends it
+            # cancelled (plain_unclaim), and no slot will run this claim.
+            state.cancels.discard((job.id, job.attempt))
         with trio.CancelScope(shield=True):  # bounded by the store
             try:
                 state.stats.returned += await self.store.unclaim(jobs)

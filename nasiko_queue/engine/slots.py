@@ -392,11 +392,14 @@ class Slots(abc.ABC, Generic[S]):
         if await self.on_fenced(job, label):
             return Ran.FENCED, None
         if not started:  # it never ran: given back as it was, attempt restored
+            # (a job asked to stop ends cancelled there, never run: plain_unclaim)
+            why = ("a cancel came before it started; ended cancelled"
+                   if (job.id, job.attempt) in self.state.cancels
+                   else "the fence came before it started; given back")
             with trio.CancelScope(shield=True):  # bounded by the store
                 try:
                     self.state.stats.returned += await self.store.unclaim([job])
-                    log.warning("job %s (%s): the fence came before it started; given back",
-                                job.id, label)
+                    log.warning("job %s (%s): %s", job.id, label, why)
                 except Exception as exc:
                     log.warning("job %s: could not be given back after the fence (%s); a "
                                 "rescue or the sweep will", job.id, one_line(exc))
