@@ -31,6 +31,7 @@ from .config import QueueConfig
 from .db.database import Database, Transaction
 from .db.statements import Q
 from .errors import InvalidPayload, PayloadTooLarge, leaves
+from .payload_size import stored_size
 from .plain.args import Job, JobArgs, JobOptions, Unique
 from .plain.limits import PartitionMode, QueueLimit, Rate
 from .plain.limits import clear_limit as clear_queue_limit
@@ -255,8 +256,9 @@ class Queue:
         return self._checked_size(payload.kind, self._codec.dumps(payload))
 
     def _checked_size(self, kind: str, text: str) -> str:
-        # ASCII text (the usual) is as many bytes as characters, known without a copy.
-        size = len(text) if text.isascii() else len(text.encode("utf-8"))
+        # Counted as the claim counts it (the stored jsonb's text), so that a
+        # payload accepted here is never discarded there as over the limit.
+        size = stored_size(text, limit=self.config.max_payload_bytes)
         if size > self.config.max_payload_bytes:
             raise PayloadTooLarge(
                 f"{kind} payload is {size} bytes; the limit is "

@@ -318,13 +318,15 @@ def _upload_padded(agent: uuid.UUID, owner: uuid.UUID, value: str) -> Any:
     return attrs.evolve(payload, zip_path=value)
 
 
-def _encoded_size(payload: Any) -> int:
+async def _encoded_size(db: Database, payload: Any) -> int:
+    """The payload's size as the claim counts it: its stored jsonb's text, in bytes
+    (asked of the server)."""
     text = json.dumps(PayloadCodec().encode(payload), separators=(",", ":"))
-    return len(text.encode("utf-8"))
+    return int(await db.fetchval("SELECT octet_length($1::jsonb::text)", text))
 
 
 async def test_payload_over_the_default_limit_is_refused_with_a_clear_error(db: Database) -> None:
-    """The default 1 MiB limit counts encoded bytes: exactly the limit is enqueued; one
+    """The default 1 MiB limit counts stored bytes: exactly the limit is enqueued; one
     byte more, or fewer characters that take more bytes, is refused with an error that
     names the kind, the size, the limit and the setting, and the caller's transaction
     (the agent written with it) is rolled back with it."""
@@ -333,10 +335,10 @@ async def test_payload_over_the_default_limit_is_refused_with_a_clear_error(db: 
     assert limit == 1024 * 1024
     owner = uuid.uuid4()
     agent = await insert_agent(db, owner_id=owner)
-    base = _encoded_size(_upload_padded(agent, owner, ""))
+    base = await _encoded_size(db, _upload_padded(agent, owner, ""))
 
     exact = _upload_padded(agent, owner, "x" * (limit - base))
-    assert _encoded_size(exact) == limit
+    assert await _encoded_size(db, exact) == limit
     await queue.enqueue(exact)
 
     over = _upload_padded(agent, owner, "x" * (limit - base + 1))

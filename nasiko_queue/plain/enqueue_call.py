@@ -23,6 +23,7 @@ import attrs
 from ..builds.payloads import PayloadCodec
 from ..config import MAX_PAYLOAD_BYTES
 from ..errors import PayloadTooLarge, SecretsNotConfigured
+from ..payload_size import stored_size
 from ..secrets import SecretBox
 from .args import Job, JobArgs, JobOptions, Unique
 
@@ -106,7 +107,7 @@ def enqueue_call(
         key = args.unique_key()
         unique = Unique(key) if key else None
     text = codec.dumps(args)
-    size = len(text) if text.isascii() else len(text.encode("utf-8"))
+    size = stored_size(text, limit=max_payload_bytes)  # as the function counts it
     if size > max_payload_bytes:
         raise PayloadTooLarge(f"{args.kind} payload is {size} bytes; the limit is "
                               f"{max_payload_bytes} (QueueConfig.max_payload_bytes)")
