@@ -48,16 +48,17 @@ BACKLOG = 60_000
 #: statement for the "before #23" variant.
 _PROBE = re.compile(r"CASE WHEN EXISTS \(SELECT 1 FROM nasiko_queue_limits WHERE queue = \$3\)"
                     r"\s+THEN \(SELECT nasiko_queue_limited_pick\(\$3, \$4::integer, "
-                    r"\$8::uuid\[\]\)\)\s+ELSE ARRAY\(")
+                    r"\$8::uuid\[\],\s+\$9::integer\[\]\)\)\s+ELSE ARRAY\(")
 
 
 def _before_23(sql: str) -> str:
     """The finish-and-claim statement as it was before issue #23 (no limits probe)."""
     cut, n = _PROBE.subn("ARRAY(", sql)
-    if n != 1 or cut.count("LIMIT $4) END)") != 1 or cut.count("$9::text[]") != 1:
+    if n != 1 or cut.count("LIMIT $4) END)") != 1 or cut.count("$10::text[]") != 1:
         raise RuntimeError("the claim's limits probe moved: update benchmarks/limits.py")
-    # Its results were $8 then (the finishing ids came in with #23).
-    return cut.replace("LIMIT $4) END)", "LIMIT $4))").replace("$9::text[]", "$8::text[]")
+    # Its results were $8 then (the finishing ids and attempts came in with #23
+    # and migration 0026).
+    return cut.replace("LIMIT $4) END)", "LIMIT $4))").replace("$10::text[]", "$8::text[]")
 
 
 def _claimer(dsn: str, sql: str, old: bool, seconds: float, start_at: float, out: Any
@@ -75,7 +76,7 @@ def _claimer(dsn: str, sql: str, old: bool, seconds: float, start_at: float, out
         while time.perf_counter() < end:
             ids, attempts = [h[0] for h in held], [h[1] for h in held]
             began = time.perf_counter()
-            finishing = () if old else (ids,)
+            finishing = () if old else (ids, attempts)
             rows = await conn.fetch(sql, ids, attempts, QUEUE, 1, uuid.uuid4(), worker, bound,
                                     *finishing, [None] * len(ids))
             latencies.append(time.perf_counter() - began)

@@ -290,9 +290,9 @@ async def test_the_plain_finish_probes_its_jobs_by_primary_key(queue: Queue) -> 
         "max_attempts) SELECT gen_random_uuid(), 'default', 'k', '{}', 'running', 1, "
         "gen_random_uuid(), 20 "
         "FROM generate_series(1, 2000)")
-    types = "uuid[], int[], text, int, uuid, uuid, int, uuid[], text[]"
+    types = "uuid[], int[], text, int, uuid, uuid, int, uuid[], int[], text[]"
     args = ("ARRAY[gen_random_uuid()], ARRAY[1], 'default', 10, gen_random_uuid(), NULL, 1000, "
-            "'{}', ARRAY['{}']")
+            "'{}', '{}', ARRAY['{}']")
 
     plan = await generic_plan(queue.db, Q.plain_finish_many_and_claim, types, args)
     assert "nasiko_queue_jobs_running" not in plan, plan

@@ -105,6 +105,36 @@ async def test_a_dead_workers_jobs_release_their_slots_when_rescued(queue: Queue
     assert await _running(queue) == 2
 
 
+@pytest.mark.parametrize("serial", [False, True])
+async def test_a_late_finish_of_a_rescued_job_frees_no_slot(queue: Queue, serial: bool) -> None:
+    """
+    A worker declared dead finishes its job late, after the rescue made it
+    available and another worker claimed it again: the finish is refused (the
+    attempt is no longer its), and its claim in the same statement must count
+    that job as running. It did not: every finishing id was taken as freeing a
+    slot, and a second job ran under `concurrency=1` (or a second of the same
+    key in a serial partition).
+    """
+    if serial:
+        await queue.set_limit("api", partition_by="customer",
+                              partition_mode=PartitionMode.SERIAL)
+    else:
+        await queue.set_limit("api", concurrency=1)
+    await _fill(queue, 3)
+    dead, alive = await _worker(queue), await _worker(queue)
+    [late] = await _store(queue, dead).claim(1)
+    await queue.db.execute(
+        "UPDATE nasiko_queue_workers SET dead_at = now(), heartbeat_at = now() WHERE id = $1",
+        dead)
+    assert (await queue.db.fetchrow(Q.plain_rescue, None))["rescued"] == 1
+    [again] = await _store(queue, alive).claim(1)
+    assert (again.id, again.attempt) == (late.id, late.attempt + 1)
+    done, claimed = await _store(queue, dead).finish_many_and_claim([(late, None, None)], 1)
+    assert done == {late.id: None}  # not its run any more
+    assert claimed == []
+    assert await _running(queue) == 1
+
+
 async def test_every_end_of_a_run_frees_its_slot(queue: Queue) -> None:
     """A retry, a dead letter, a cancelled run and a give-back each free one slot."""
     await queue.set_limit("api", concurrency=4)

@@ -1018,15 +1018,18 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted;
 -- A LIMITED queue (a row in nasiko_queue_limits, migration 0020: one more
 -- primary-key probe for every queue) is claimed by nasiko_queue_limited_pick
 -- instead, which serialises the queue's claims across replicas and takes no
--- more than its concurrency and rate limits allow; $6: the running jobs the
--- same statement completes (they free their slots). The scalar subquery makes
--- its answer an init plan, computed once, so the id lookup stays an index scan.
+-- more than its concurrency and rate limits allow; $6 and $7: the running jobs
+-- the same statement completes and their attempts (each frees its slot while
+-- its row still runs that attempt, migration 0026: a late finish of a job
+-- claimed again elsewhere frees none). The scalar subquery makes its answer an
+-- init plan, computed once, so the id lookup stays an index scan.
 -- The attempted_at it replaces is kept for a give-back to restore (0025).
 UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
     previous_attempted_at = j.attempted_at, claim_token = $3, claimed_by = $4
 WHERE j.id = ANY (CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
-                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[]))
+                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[],
+                                                                $7::integer[]))
                        ELSE ARRAY(
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM nasiko_queue_jobs
@@ -1056,16 +1059,16 @@ RETURNING j.id, j.kind,
 -- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
 -- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
 -- worker, $7 payload bound), in one round trip; a paused queue claims nothing,
--- but its finishes still complete. $9: what each executor returned (JSON text;
+-- but its finishes still complete. $10: what each executor returned (JSON text;
 -- NULL: nothing), written as its result with the completion (migration 0017;
 -- the trigger there wakes whoever waits for it). Rows with finished_id report a
 -- finish ('completed', or NULL when no longer ours); rows with id are claims.
--- $8: the ids of $1 again (`plain_claim`'s $6: a limited queue's claim counts
--- them as ended); $9 what each executor returned.
+-- $8 and $9: $1 and $2 again (`plain_claim`'s $6 and $7: a limited queue's
+-- claim counts those still running their attempt as ended).
 WITH finished AS (
     UPDATE nasiko_queue_jobs AS j
     SET state = 'completed', finished_at = now(), error_msg = NULL, result = i.result::jsonb
-    FROM unnest($1::uuid[], $2::int[], $9::text[]) AS i(id, attempt, result)
+    FROM unnest($1::uuid[], $2::int[], $10::text[]) AS i(id, attempt, result)
     -- By primary key: a state test an index of running jobs matches would read
     -- every running job of every worker (as in jobs_finish_many_and_claim).
     WHERE j.id = ANY ($1::uuid[]) AND j.id = i.id AND coalesce(j.state, '') = 'running'
@@ -1073,7 +1076,7 @@ WITH finished AS (
     RETURNING j.id, j.state
 ), claimed AS (
     -- The loader (`statements.py`) writes in `plain_claim`, so that the claim is spelled once.
-    -- include plain_claim, its $1-$6 as $3-$8
+    -- include plain_claim, its $1-$7 as $3-$9
 )
 SELECT i.id AS finished_id,
        coalesce(f.state, (SELECT c.state FROM nasiko_queue_jobs AS c

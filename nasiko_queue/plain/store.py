@@ -74,7 +74,7 @@ class PlainJobStore:
         """Claim up to `limit` due jobs of the queue, by priority then due time."""
         token = uuid.uuid4()
         args = (self.queue, limit, token, self._worker_id(),
-                self._config.max_payload_bytes, list[UUID]())
+                self._config.max_payload_bytes, list[UUID](), list[int]())
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
         jobs = [_claimed(row, self.queue) for row in rows]
@@ -91,10 +91,9 @@ class PlainJobStore:
         returned (`JobResult`) is written as the job's result.
         """
         token = uuid.uuid4()
-        ids = [j.id for j, _, _ in finishing]
-        args = (ids, [j.attempt for j, _, _ in finishing],
-                self.queue, limit, token, self._worker_id(),
-                self._config.max_payload_bytes, ids,
+        ids, attempts = [j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing]
+        args = (ids, attempts, self.queue, limit, token, self._worker_id(),
+                self._config.max_payload_bytes, ids, attempts,
                 [r.json if isinstance(r, JobResult) else None for _, _, r in finishing])
         rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
                                     claims=limit > 0, bound=self._bound)

@@ -770,7 +770,7 @@ class PlainStateMachine(DatabaseMachine):
         async with trio.open_nursery() as nursery, db.transaction() as tx:
             pid = await tx.fetchval("SELECT pg_backend_pid()")
             rows = await tx.fetch(Q.plain_claim, QUEUE, 1, uuid.uuid4(), worker,
-                                  self.config.max_payload_bytes, [])
+                                  self.config.max_payload_bytes, [], [])
             nursery.start_soon(cancel)
             # Until the cancel waits for the claim's lock (or answered: the
             # claim took another job, which the rule reports).
