@@ -8,6 +8,7 @@ when it has waited past `prefetch_ttl` (so an idle replica can take it).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any, ClassVar
 
@@ -23,7 +24,7 @@ from nasiko_queue.errors import ConfigurationError
 from nasiko_queue.plain.store import PlainJobStore
 from nasiko_queue.testing import KINDS, Enqueued, enqueue_with_target
 
-from .helpers import TEST_DEADLINE, executors_for_all, job_row, running, succeed
+from .helpers import TEST_DEADLINE, LogEvent, executors_for_all, job_row, running, succeed
 
 
 class CountingBatches(PgJobStore):
@@ -601,3 +602,56 @@ async def test_each_give_back_of_a_plain_claim_restores_attempted_at(
         assert await queue.db.fetchval(Q.plain_unclaim_lost, token) == 2
     assert tuple(await queue.db.fetchrow(PLAIN_ROW, retried)) == ("available", 1, crashed_at)
     assert tuple(await queue.db.fetchrow(PLAIN_ROW, fresh)) == ("available", 0, None)
+
+
+class FailsTheFirstGiveBack(PgJobStore):
+    """The real store, whose first give-back meets a dropped connection (an
+    outage's error, raised before the statement is sent)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.give_backs = 0
+
+    async def unclaim(self, jobs: Any) -> int:
+        self.give_backs += 1
+        if self.give_backs == 1:
+            raise ConnectionResetError("connection dropped (injected)")
+        return await super().unclaim(jobs)
+
+
+async def test_a_give_back_past_the_ttl_that_fails_is_tried_again(queue: Queue) -> None:
+    """
+    The look-ahead's give-back past its TTL fails once (an outage): it is tried
+    again until it lands, as every final write is. It used to be dropped with a
+    warning, and the two jobs stayed running, unstarted, for as long as the
+    worker lived (no rescue or sweep takes a live worker's rows).
+    """
+    started, release = trio.Event(), trio.Event()
+
+    async def run(ctx: Any) -> None:
+        if not started.is_set():
+            started.set()
+            await release.wait()
+        await succeed(ctx)
+
+    jobs = [await enqueue_with_target(queue, "Upload") for _ in range(3)]
+    config = attrs.evolve(queue.config, prefetch=2, prefetch_ttl=0.2,
+                          retry_initial_delay=0.01)
+    kinds = frozenset(KINDS)
+    store = FailsTheFirstGiveBack(queue.db, config, runnable_kinds=kinds, known_kinds=kinds)
+    worker = Worker(Queue(queue.db, config=config), executors_for_all(run), store=store)
+    dropped = LogEvent("could not be given back")
+    logging.getLogger("nasiko_queue").addHandler(dropped)
+    try:
+        with trio.fail_after(TEST_DEADLINE):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(worker.run)
+                await started.wait()
+                await worker.wait_for(lambda s: s.returned == 2 or dropped.count > 0)
+                assert dropped.count == 0, "the give-back was dropped after one failure"
+                assert store.give_backs == 2
+                assert await _rows(queue, jobs[1:]) == [("pending", 0, False)] * 2
+                release.set()
+                worker.stop()
+    finally:
+        logging.getLogger("nasiko_queue").removeHandler(dropped)

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 
 import trio
 
-from ..errors import is_transient
+from ..errors import FinalWriteRefused, is_transient
 from .completer import Completer
 from .contracts import ClaimedJob, ClaimOutcomeUnknown, LaneStore, LostClaim, Starting
 from .retry import RetryPolicy, one_line
@@ -266,13 +266,26 @@ class Producer:
             # A cancel mark of a buffered job is spent: the give-back ends it
             # cancelled (plain_unclaim), and no slot will run this claim.
             state.cancels.discard((job.id, job.attempt))
-        with trio.CancelScope(shield=True):  # bounded by the store
-            try:
-                state.stats.returned += await self.store.unclaim(jobs)
-            except Exception as exc:
-                log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
-                            "the sweep will", len(jobs), one_line(exc))
-        log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
+        # Retried until it lands, as the other final writes are: while this
+        # worker lives, no rescue or sweep takes its rows, so a give-back
+        # dropped on one failure left its jobs running unstarted for the
+        # worker's whole life. Winding down, bounded as the other last writes
+        # (the rows are then the rescue's once the worker is gone).
+        try:
+            if state.closing:
+                with trio.move_on_after(2 * self.config.cleanup_timeout) as bounded:
+                    given = await self.retry.final("give-back",
+                                                   lambda: self.store.unclaim(jobs))
+                if bounded.cancelled_caught:
+                    raise TimeoutError("not within the stop's bound")
+            else:
+                given = await self.retry.final("give-back", lambda: self.store.unclaim(jobs))
+        except (FinalWriteRefused, TimeoutError) as exc:
+            log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
+                        "the sweep will", len(jobs), one_line(exc))
+        else:
+            state.stats.returned += given
+            log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
         state.notify()
 
     # -- winding down ------------------------------------------------------------
