@@ -410,6 +410,72 @@ async def test_a_failed_child_fails_its_parent(queue: Queue) -> None:
     assert view.error.endswith("failed at step boom: ValueError: no")
 
 
+#: A step job's end as its worker writes it (the trigger of migration 0018 takes
+#: the run's transition): completed, or discarded on its last attempt.
+END_STEP_JOB = """
+UPDATE nasiko_queue_jobs SET state = $2, finished_at = now(), error_msg = $3
+WHERE workflow_run = $1 AND state = 'available'
+"""
+
+
+@pytest.mark.parametrize("stale_end", ["fails", "is cancelled"])
+async def test_a_replaced_child_run_no_longer_ends_its_parent(
+    queue: Queue, stale_end: str
+) -> None:
+    """
+    The parent P is cancelled (its child C1 with it) and retried: its step
+    starts a new child C2, which completes, and P goes on to its next step.
+    Then C1, retried on its own, fails or is cancelled: P's step no longer
+    waits for C1, so P goes on. It used to fail (or cancel) P and rewrite its
+    completed step: only a child's completion checked that the step still
+    waited for that child.
+    """
+    child = Workflow("leaf", max_attempts=1)
+
+    @child.step()
+    async def work(ctx: StepContext) -> int:
+        return 1
+
+    parent = Workflow("trunk")
+    sub = parent.child("sub", child)
+
+    @parent.step(after=[sub])
+    async def then(ctx: StepContext) -> int:
+        return 2
+
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    first = view.step("sub").child_run
+    assert first is not None
+    assert await queue.cancel_run(run_id) == "cancelled"
+    assert await queue.retry_run(run_id) == "retried"
+    view = await queue.run(run_id)
+    assert view is not None
+    second = view.step("sub").child_run
+    assert second not in (None, first)
+    await queue.db.execute(END_STEP_JOB, second, "completed", None)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("sub").state, view.step("then").state) == (
+        "running", "completed", "enqueued")
+
+    assert await queue.retry_run(first) == "retried"
+    if stale_end == "fails":
+        await queue.db.execute(END_STEP_JOB, first, "discarded", "ValueError: late")
+        ended = "failed"
+    else:
+        assert await queue.cancel_run(first) == "cancelled"
+        ended = "cancelled"
+    stale = await queue.run(first)
+    assert stale is not None
+    assert stale.state == ended
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("sub").state, view.step("sub").child_run,
+            view.step("then").state) == ("running", "completed", second, "enqueued")
+
+
 async def test_a_unique_start_returns_the_first_runs_id(queue: Queue) -> None:
     wf = approval_workflow()
     first = await queue.start(wf, unique="release-42")
