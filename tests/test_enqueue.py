@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -576,3 +577,26 @@ async def test_a_large_mixed_batch_keeps_each_kind_in_order_and_ids_in_the_order
     assert await queue.db.fetchval(
         "SELECT count(DISTINCT xmin::text) FROM (SELECT xmin FROM build_jobs UNION ALL "
         "SELECT xmin FROM nasiko_queue_jobs) AS rows") == 1
+
+
+@pytest.mark.parametrize("how", ["enqueue", "enqueue_json"])
+async def test_a_delay_counts_from_the_enqueue_not_the_transactions_start(
+    queue: Queue, how: str
+) -> None:
+    """`delay=` inside a transaction counts from the enqueue, on the database's
+    clock, as `enqueue_many` and the SQL function count it. It counted from the
+    transaction's start (`now()`): a delay after a minute of work in the same
+    transaction was a minute shorter. The clock read here comes after the BEGIN,
+    so a run_at counted from the BEGIN is earlier than it plus the delay."""
+    async with queue.db.transaction() as tx:
+        before = await tx.fetchval("SELECT clock_timestamp()")
+        started = await tx.fetchval("SELECT now()")
+        assert started < before
+        if how == "enqueue":
+            job_id = await queue.enqueue(Note(n=1, text="later"), delay=60, tx=tx)
+        else:
+            job_id = await queue.enqueue_json("note", {"n": 1}, delay=60, tx=tx)
+        after = await tx.fetchval("SELECT clock_timestamp()")
+    run_at = await queue.db.fetchval("SELECT run_at FROM nasiko_queue_jobs WHERE id = $1",
+                                     job_id)
+    assert before + timedelta(seconds=60) <= run_at <= after + timedelta(seconds=60)

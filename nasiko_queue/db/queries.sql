@@ -903,13 +903,17 @@ WHERE id = ANY (ARRAY(
 
 -- name: plain_insert
 -- Enqueue one plain job: $1 id, $2 queue, $3 kind, $4 payload, $5 priority, $6
--- max_attempts, $7 run_at (NULL: now() + $8 seconds), $9 unique key (NULL: not
+-- max_attempts, $7 run_at (NULL: $8 seconds from now), $9 unique key (NULL: not
 -- unique), $10 the states it is unique within. A unique job that meets one of its
--- key in one of those states inserts nothing and returns no row.
+-- key in one of those states inserts nothing and returns no row. "Now" is
+-- clock_timestamp(), as in plain_insert_many and nasiko_queue_enqueue: now() is
+-- the start of the caller's transaction, which made a delay inside a long one
+-- shorter (or none).
 INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
                                unique_key, unique_states)
 VALUES ($1, $2, $3, $4::jsonb, $5, $6,
-        coalesce($7::timestamptz, now() + make_interval(secs => $8::double precision)),
+        coalesce($7::timestamptz,
+                 clock_timestamp() + make_interval(secs => $8::double precision)),
         $9, $10::text[])
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
 DO NOTHING
@@ -920,7 +924,8 @@ RETURNING id;
 INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts, run_at,
                                unique_key, unique_states)
 SELECT $1, $2, $3, $4::jsonb, $5, $6,
-       coalesce($7::timestamptz, now() + make_interval(secs => $8::double precision)),
+       coalesce($7::timestamptz,
+                clock_timestamp() + make_interval(secs => $8::double precision)),
        $9, $10::text[]
 FROM (SELECT pg_notify($11::text, '')) AS notify
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state = ANY (unique_states)
