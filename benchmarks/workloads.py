@@ -466,7 +466,7 @@ def _flat_claim(lane: str) -> tuple[str, tuple[object, ...], str, frozenset[str]
     kinds = frozenset(t.kind for t in BUILTIN_PAYLOAD_TYPES)
     bound = QueueConfig().max_payload_bytes
     if lane == "plain":
-        return (Q.plain_claim, (BENCH_QUEUE, 1, uuid.uuid4(), None, bound, []),
+        return (Q.plain_claim, (BENCH_QUEUE, 1, uuid.uuid4(), None, bound, [], []),
                 "nasiko_queue_jobs", kinds)
     runnable = kinds if lane == "all kinds" else frozenset({"Upload"})
     sql = Q.job_claim if lane == "all kinds" else Q.job_claim_kinds
