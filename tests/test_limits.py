@@ -8,18 +8,20 @@ letter). The process tests with 4 replicas are in test_limit_processes.py.
 from __future__ import annotations
 
 import uuid
-from typing import ClassVar
+from typing import Any, ClassVar
 from uuid import UUID
 
 import attrs
 import pytest
 import trio
 
-from nasiko_queue import JobArgs, JobOptions, PartitionMode, Queue, Rate
+from nasiko_queue import Executors, JobArgs, JobOptions, PartitionMode, Queue, Rate, Worker
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.db.statements import Q
 from nasiko_queue.engine.contracts import ClaimedJob, WorkerIdentity
 from nasiko_queue.plain.store import PlainJobStore
+
+from .helpers import TEST_DEADLINE
 
 
 @attrs.frozen(kw_only=True)
@@ -133,6 +135,65 @@ async def test_a_late_finish_of_a_rescued_job_frees_no_slot(queue: Queue, serial
     assert done == {late.id: None}  # not its run any more
     assert claimed == []
     assert await _running(queue) == 1
+
+
+@attrs.frozen(kw_only=True)
+class Free(JobArgs):
+    kind: ClassVar[str] = "unlimited_call"
+    options: ClassVar[JobOptions] = JobOptions(queue="free")
+
+
+#: The lock a limited queue's claims take (migration 0020), as a replica's
+#: claim that stalled holds it.
+LIMITS_LOCK = "SELECT pg_advisory_xact_lock(hashtext('nasiko_queue.limits'), hashtext($1))"
+
+#: Sessions of this database waiting for a lock that backend $1 holds.
+BLOCKED_BY = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND $1::int = ANY (pg_blocking_pids(pid))
+"""
+
+
+async def test_a_limited_queue_whose_lock_is_held_never_starves_another_queue(
+    queue: Queue,
+) -> None:
+    """
+    Another replica's claim stalls holding the lock of limited queue "api": this
+    worker's "api" claims wait for it. They used to wait on both of the engine's
+    connections, which all lanes share, until the statements' bound abandoned
+    them (lost claims, connections closed), and queue "free"'s job waited that
+    long. A claim now waits 250 ms at most (migration 0028) and claims nothing:
+    the "free" job runs while the lock is still held, and no claim is lost.
+    """
+    await queue.set_limit("api", concurrency=2)
+    await _fill(queue, 3)
+    ran_free = trio.Event()
+    executors = Executors()
+
+    @executors.register(Call)
+    async def call(ctx: Any) -> None:
+        pass
+
+    @executors.register(Free)
+    async def free(ctx: Any) -> None:
+        ran_free.set()
+
+    config = attrs.evolve(queue.config, queues={"api": 2, "free": 1})
+    worker = Worker(Queue(queue.db, config=config), executors)
+    with trio.fail_after(TEST_DEADLINE):
+        async with queue.db.transaction() as stalled:
+            await stalled.execute(LIMITS_LOCK, "api")
+            pid = await stalled.fetchval("SELECT pg_backend_pid()")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(worker.run)
+                while not await queue.db.fetchval(BLOCKED_BY, pid):  # noqa: ASYNC110
+                    await trio.sleep(0.005)  # until an "api" claim waits for the lock
+                await queue.enqueue(Free())
+                await ran_free.wait()
+                assert worker.stats.lost_claims == 0
+                assert await _running(queue) == 0  # nothing of "api" claimed meanwhile
+                worker.stop()
+    assert worker.stats.lost_claims == 0
 
 
 async def test_every_end_of_a_run_frees_its_slot(queue: Queue) -> None:
