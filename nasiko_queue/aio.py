@@ -139,16 +139,51 @@ async def result(conn: AsyncpgConn, job_id: UUID, result_type: type[Any] | None 
     connection that is not inside a transaction (a NOTIFY is delivered between
     transactions only).
 
+    A notification lost with its connection is not waited for: the wait reads
+    the row again every `RESULT_POLL` seconds, and at once when its connection
+    closes. Given a pool, it then goes on with another of its connections
+    (after a pause that grows while none can be had, as in an outage); given a
+    connection, it raises `ConnectionError`.
+
     Raises:
         JobFailed: it was discarded or cancelled (its last error attached).
         NoSuchJob: no plain job has this id (or it was deleted meanwhile).
         ResultTimeout: it had not ended within `timeout` seconds.
+        ConnectionError: the connection given (not a pool) closed meanwhile.
     """
+    pause = _RECONNECT_FIRST
     try:
-        async with asyncio.timeout(timeout), _listening(conn) as (listener, ended):
-            return await _wait(listener, ended, job_id, result_type)
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    async with _listening(conn) as (listener, ended):
+                        return await _wait(listener, ended, job_id, result_type)
+                except _CONNECTION_LOST as exc:
+                    if not isinstance(conn, asyncpg.Pool):
+                        raise ConnectionError(f"the connection closed while waiting for job "
+                                              f"{job_id}'s result") from exc
+                await asyncio.sleep(pause)  # then LISTEN and read again, on another
+                pause = min(2 * pause, RESULT_POLL)
     except TimeoutError:
         raise ResultTimeout(f"job {job_id} had not ended after {timeout}s") from None
+
+
+#: Seconds between reads of a waited job's row: a NOTIFY is lost with the
+#: connection it was to arrive on (Queue.result's `poll_interval`, by default).
+RESULT_POLL = 5.0
+#: The first pause before a wait on a pool goes on with another connection.
+_RECONNECT_FIRST = 0.05
+
+
+class _ListenerClosed(Exception):
+    """The waiting connection closed (asyncpg's termination callback)."""
+
+
+#: What a wait meets when its connection is gone.
+_CONNECTION_LOST = (_ListenerClosed, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+                    OSError)
+#: Put in the queue of heard ids when the connection closes.
+_CLOSED = ""
 
 
 @contextlib.asynccontextmanager
@@ -169,12 +204,19 @@ async def _listening(conn: AsyncpgConn) -> AsyncIterator[tuple[asyncpg.Connectio
         def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
             ended.put_nowait(payload)
 
-        await listener.add_listener(RESULTS_CHANNEL, heard)
+        def closed(_conn: object) -> None:
+            ended.put_nowait(_CLOSED)
+
+        listener.add_termination_listener(closed)
         try:
-            yield listener, ended
+            await listener.add_listener(RESULTS_CHANNEL, heard)
+            try:
+                yield listener, ended
+            finally:
+                with contextlib.suppress(asyncpg.InterfaceError, OSError):
+                    await listener.remove_listener(RESULTS_CHANNEL, heard)
         finally:
-            with contextlib.suppress(asyncpg.InterfaceError, OSError):
-                await listener.remove_listener(RESULTS_CHANNEL, heard)
+            listener.remove_termination_listener(closed)
 
 
 async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUID,
@@ -194,8 +236,10 @@ async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUI
                                                                        result_type)
             if row["state"] in ("discarded", "cancelled"):
                 raise JobFailed(job_id, row["state"], row["error_msg"])
-            while await ended.get() != str(job_id):
-                pass
+            with contextlib.suppress(TimeoutError):  # no word: read the row again
+                while (heard := await asyncio.wait_for(ended.get(), RESULT_POLL)) != str(job_id):
+                    if heard == _CLOSED:
+                        raise _ListenerClosed
     finally:
         # The job's end removes the wait too; this is for a wait given up.
         with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):

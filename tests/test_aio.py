@@ -335,3 +335,51 @@ def test_fastapi_app_serves_while_jobs_run_and_stops_gracefully(dsn: str) -> Non
         return found["state"], found["r"]
 
     assert on_pool(dsn, row) == ("completed", '{"url": "thumb-slow", "width": 64}')
+
+
+#: Every other client session of the test's database, ended by the server (as
+#: a restart, a fail-over or an idle-connection reaper would end them).
+TERMINATE_OTHERS = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND backend_type = 'client backend'
+"""
+
+
+@pytest.mark.parametrize("given", ["pool", "connection"])
+def test_a_result_wait_whose_connection_drops_does_not_hang(dsn: str, given: str) -> None:
+    """
+    The session LISTENing for a job's end is terminated by the server while the
+    job runs. Given a pool, the wait goes on with another connection and returns
+    the result once the job completes; given a connection, it raises
+    `ConnectionError` at once. Before, it waited for a NOTIFY that could never
+    come: for ever without a timeout.
+    """
+
+    async def main(pool: asyncpg.Pool) -> None:
+        job_id = await aio.enqueue(pool, Resize(url="r"))
+        async with contextlib.AsyncExitStack() as stack:
+            if given == "pool":
+                waiting = asyncio.create_task(
+                    aio.result(pool, job_id, Thumbnail, timeout=TEST_DEADLINE))
+            else:
+                own = await stack.enter_async_context(pool.acquire())
+                waiting = asyncio.create_task(
+                    aio.result(own, job_id, Thumbnail, timeout=TEST_DEADLINE))
+            async with asyncio.timeout(TEST_DEADLINE):
+                # Until the wait is recorded: its LISTEN is up.
+                while not await pool.fetchval(  # noqa: ASYNC110
+                        "SELECT count(*) FROM nasiko_queue_result_waits"):
+                    await asyncio.sleep(0.005)
+                async with pool.acquire() as killer:
+                    assert await killer.fetchval(TERMINATE_OTHERS) >= 1
+                    if given == "connection":
+                        with pytest.raises(ConnectionError, match="closed while waiting"):
+                            await waiting
+                        return
+                    await killer.execute(
+                        "UPDATE nasiko_queue_jobs SET state = 'completed', finished_at = now(), "
+                        "result = '{\"url\": \"r\", \"width\": 7}' WHERE id = $1", job_id)
+                assert await waiting == Thumbnail(url="r", width=7)
+
+    on_pool(dsn, main)
