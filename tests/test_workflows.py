@@ -296,10 +296,21 @@ async def test_a_signal_sent_before_its_step_waits_is_kept_and_consumed_then(
     assert (view.state, view.result) == ("completed", "draft 1 approved by early")
 
 
-async def test_a_signal_timeout_fails_the_step_and_the_run(queue: Queue) -> None:
+@pytest.mark.parametrize("queues", [None, {"drafts": 2}])
+async def test_a_signal_timeout_fails_the_step_and_the_run(
+    queue: Queue, queues: dict[str, int] | None
+) -> None:
+    """The timer fires on a worker that serves the queues its types name, and on
+    one given its queues (`{"drafts": 2}`, the steps' queue only): a worker that
+    registered a workflow serves the queue of the timer's type, "workflows",
+    unless configured otherwise. The second used to leave the timer unclaimed,
+    and the run waiting for ever."""
+    worker_queue = Queue(queue.db, config=attrs.evolve(queue.config, queues=queues),
+                         secrets=MASTER_KEY)
     wf = approval_workflow(timeout=3600)
     run_id = await queue.start(wf)
-    async with running(queue, executors_for(wf)) as worker:
+    async with running(worker_queue, executors_for(wf)) as worker:
+        assert sorted(lane.name for lane in worker.lanes) == ["drafts", "workflows"]
         await worker.wait_for(lambda s: s.done >= 1)
         timer = await queue.db.fetchrow(
             "SELECT id, queue, run_at - now() AS left FROM nasiko_queue_jobs "

@@ -97,6 +97,10 @@ from .retry import RetryPolicy, one_line
 from .slots import Slots
 from .state import LaneState, WorkerState, WorkerStats
 
+#: The kinds of the queue's own plain job types (a workflow's signal timer and
+#: cron start): their queues are served even when `QueueConfig.queues` omits them.
+OWN_KIND_PREFIX = "nasiko_queue."
+
 __all__ = ["Worker", "WorkerStats"]
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -203,11 +207,23 @@ class Worker:
         return tuple((lane.name, lane.state.config.concurrency) for lane in self.lanes)
 
     def _queues(self) -> tuple[tuple[str, int], ...]:
-        """The plain queues this worker runs: configured, or those its types name."""
-        if self.config.queues is not None:
-            return self.config.queues
-        names = sorted({t.options.queue for t in self.executors.plain_types})
-        return tuple((name, self.config.concurrency) for name in names)
+        """
+        The plain queues this worker runs: configured, or those its types name.
+
+        Configured, they include the queues of the queue's own job types this
+        worker registered (kinds ``nasiko_queue.*``: a workflow's signal timers
+        and cron starts, queue "workflows"), `concurrency` each, unless named:
+        a worker that runs workflows under ``queues={"agents": 4}`` would
+        otherwise never fire a signal's timeout nor start a scheduled run.
+        """
+        if self.config.queues is None:
+            names = sorted({t.options.queue for t in self.executors.plain_types})
+            return tuple((name, self.config.concurrency) for name in names)
+        queues = dict(self.config.queues)
+        for own in self.executors.plain_types:
+            if own.kind.startswith(OWN_KIND_PREFIX):
+                queues.setdefault(own.options.queue, self.config.concurrency)
+        return tuple(sorted(queues.items()))
 
     def _lane(self, name: str, state: LaneState, store: LaneStore,
               pipeline: type[Slots[Any]]) -> Lane:
