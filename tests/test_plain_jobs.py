@@ -29,6 +29,7 @@ from nasiko_queue import (
     job_errors,
 )
 from nasiko_queue.db.database import Database
+from nasiko_queue.plain.store import PlainJobStore
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE, running
@@ -324,18 +325,56 @@ async def test_an_invalid_payload_is_discarded_and_the_worker_goes_on(queue: Que
         "invalid job payload"
 
 
-async def test_a_kind_without_an_executor_here_is_retried_not_lost(queue: Queue) -> None:
+@pytest.mark.parametrize("max_attempts", [1, 3])
+async def test_a_kind_without_an_executor_here_is_retried_not_lost(
+    queue: Queue, max_attempts: int
+) -> None:
+    """A worker of a rolling deploy that has no executor for the job's kind gives
+    it back unrun, for a worker that has one, after its backoff: its attempt not
+    counted, so that even a job of one attempt is never discarded for that
+    alone. It used to count the attempt: on its last (`max_attempts=1`: the
+    first) the job was discarded without ever running."""
     executors = Executors()
     executors.register(SendEmail, _noop)  # runs queue "email" only
     config = attrs.evolve(FAST, queues={"default": 1})
     q = Queue(queue.db, config=config)
-    job = await q.enqueue(Step(n=1))
+    job = await q.enqueue(Step(n=1), options=JobOptions(max_attempts=max_attempts))
     async with running(q, executors) as worker:
         with trio.fail_after(TEST_DEADLINE):
-            await worker.wait_for(lambda s: s.retried >= 1)
+            await worker.wait_for(lambda s: s.retried >= 1 or s.failed >= 1)
     row = await plain_row(queue.db, job)
-    assert (row["state"], row["attempt"]) == ("available", 1)
+    assert (row["state"], row["attempt"], row["finished_at"]) == ("available", 0, None)
+    assert row["run_at"] > datetime.now(UTC) + timedelta(seconds=10)  # after its backoff
     assert "no executor for kind 'workflow_step'" in row["error_msg"]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_job_errors") == 0
+
+    # Its next claim is the same attempt again: a worker that has the executor runs it.
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET run_at = now() WHERE id = $1", job)
+    ran: list[int] = []
+
+    @executors.register(Step)
+    async def step(ctx: PlainJobContext[Step]) -> None:
+        ran.append(ctx.attempt)
+
+    async with running(q, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 1)
+    assert ran == [1]
+    assert (await plain_row(queue.db, job))["state"] == "completed"
+
+
+async def test_a_job_without_an_executor_here_asked_to_stop_ends_cancelled(
+    queue: Queue,
+) -> None:
+    """The give-back of a job this worker has no executor for follows the cancel
+    rule: asked to stop meanwhile, it ends `cancelled`."""
+    job = await queue.enqueue(Step(n=1))
+    store = PlainJobStore(queue.db, queue.config, "default", lambda: None)
+    [claimed] = await store.claim(1)
+    assert await queue.cancel(job) == "cancelling"
+    assert await store.defer(claimed, 30.0, "nasiko_queue.NoExecutor: none") == "cancelled"
+    row = await plain_row(queue.db, job)
+    assert (row["state"], row["attempt"], row["error_msg"]) == ("cancelled", 0, "cancelled")
 
 
 async def test_enqueue_many_plain_and_build_jobs_in_one_call(queue: Queue) -> None:

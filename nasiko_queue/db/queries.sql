@@ -1115,6 +1115,26 @@ SET (state, run_at, finished_at, claimed_by) = (
 WHERE id = $1 AND attempt = $2 AND state = 'running'
 RETURNING state;
 
+-- name: plain_defer
+-- Run $2 of job $1 never started: this worker has no executor for its kind (a
+-- rolling deploy). Available again in $3 seconds with its attempt restored, and
+-- with it attempted_at (as plain_unclaim), so that a job is never discarded for
+-- that alone, whatever its max_attempts; $4 the error, one line. Cancelled
+-- instead when a cancel was asked for (nasiko_queue_run_end's rule). Returns the
+-- state written (no row: no longer ours).
+UPDATE nasiko_queue_jobs
+SET (state, run_at, finished_at, error_msg) = (
+        SELECT e.state,
+               CASE WHEN e.state <> 'available' THEN run_at
+                    ELSE now() + make_interval(secs => $3::double precision) END,
+               CASE WHEN e.state <> 'available' THEN now() END,
+               CASE WHEN e.state = 'cancelled' THEN 'cancelled' ELSE $4 END
+        FROM nasiko_queue_run_end(cancel_requested, false) AS e(state)),
+    attempt = attempt - 1, attempted_at = previous_attempted_at,
+    claimed_by = NULL, claim_token = NULL
+WHERE id = $1 AND attempt = $2 AND state = 'running'
+RETURNING state;
+
 -- name: plain_end
 -- Run $2 of job $1 ends for good in state $3 ('discarded': its payload is not
 -- one, or it is past its attempts; 'cancelled': stopped at a cancel's request),

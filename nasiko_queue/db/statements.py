@@ -111,6 +111,7 @@ class Queries:
     plain_end: str
     plain_reset: str
     plain_unclaim: str
+    plain_defer: str
     plain_unclaim_lost: str
     plain_next_due: str
     plain_cancel: str

@@ -95,9 +95,7 @@ class PlainJobExecutor(Slots[PlainJobStore]):
                                error_type="nasiko_queue.NoExecutor",
                                message=f"no executor for kind {job.kind!r} in this worker",
                                traceback="")
-            log.error("job %s: %s", job.id, missing.message)
-            await self._keep(job, missing)
-            await self._retry(job, missing)
+            await self._defer(job, missing)
             return None
         args = self._parse_args(job)
         if args is None:
@@ -243,6 +241,24 @@ class PlainJobExecutor(Slots[PlainJobStore]):
             log.info("job %s: attempt %d failed; next run in %.1fs", job.id, job.attempt, delay)
             if delay <= 0:
                 self.wake()
+
+    async def _defer(self, job: ClaimedJob, missing: JobError) -> None:
+        """No executor for the job's kind here (a rolling deploy): back for another
+        worker after its backoff, the attempt not counted, so that it is never
+        discarded for that alone (nor kept as an attempt's error: it never ran)."""
+        delay = self._backoff(job)
+        line = one_line_error(missing)
+        state = await self._final(
+            job, "defer", lambda: self.store.defer(job, delay, line),
+            lambda: self.store.defer(job, BACKOFF_FALLBACK, minimal_text(line)),
+            lambda why: self._discard(job, why))
+        if state == CANCELLED:
+            self.state.stats.cancelled += 1
+            log.warning("job %s: cancelled (no executor here, and a cancel came)", job.id)
+        elif state is not None:
+            self.state.stats.retried += 1
+            log.error("job %s: %s; given back unrun, for a worker that has one, in %.1fs",
+                      job.id, missing.message, delay)
 
     async def _discard(self, job: ClaimedJob, why: str) -> str | None:
         return DISCARDED if await self.store.end(job, DISCARDED, why) else None

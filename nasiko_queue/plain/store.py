@@ -144,6 +144,18 @@ class PlainJobStore:
             bound=self._bound)
         return state
 
+    async def defer(self, job: ClaimedJob, delay: float, error: str) -> str | None:
+        """
+        A job this worker has no executor for: available again in `delay`
+        seconds, its attempt not counted (it never ran); cancelled when a cancel
+        was asked for. Returns the state written; None when no longer ours.
+        """
+        args = (job.id, job.attempt, delay, storable(error))
+        state: str | None = await self._db.run_bounded(
+            lambda conn: conn.fetchval(Q.plain_defer, *args, timeout=self._bound),
+            bound=self._bound)
+        return state
+
     async def end(self, job: ClaimedJob, state: str, error: str | None) -> bool:
         """End the run for good: `DISCARDED` or `CANCELLED`; False if no longer ours."""
         args = (job.id, job.attempt, state, None if error is None else storable(error))
