@@ -12,6 +12,7 @@ from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED, RecoveryResult
 from nasiko_queue.testing import enqueue_with_target
 
 from .helpers import (
+    TEST_DEADLINE,
     agent_state,
     build_state,
     connector_state,
@@ -126,3 +127,32 @@ async def test_fresh_row_with_attempts_left_is_not_reset(queue: Queue) -> None:
     assert row is not None
     assert (row["status"], row["attempt"]) == ("in_progress", 1)
     assert row["picked_at"] is not None
+
+
+async def test_a_locked_target_skips_its_job_not_the_whole_sweep(queue: Queue) -> None:
+    """
+    An application transaction holds one agent's row (an edit in progress) while
+    the sweep fails that agent's exhausted job: the sweep waits for the lock a
+    moment, skips that job for the next sweep, and goes on with the others and
+    with the reset. It used to wait for the lock until the statement timed out
+    (60 s), and the time-out, taken for a broken connection, ended the round
+    before the other steps.
+    """
+    locked = await enqueue_with_target(queue, "Update", prior_success=True)
+    other = await enqueue_with_target(queue, "Update", prior_success=True)
+    left = await enqueue_with_target(queue, "Upload")
+    for job in (locked, other):
+        await _stick(queue, job.job_id, attempt=3, minutes_ago=90)
+    await _stick(queue, left.job_id, attempt=1, minutes_ago=90)
+    with trio.fail_after(TEST_DEADLINE):
+        async with queue.db.transaction() as edit:
+            await edit.execute("SELECT 1 FROM agents WHERE id = $1 FOR UPDATE",
+                               locked.target_id)
+            result = await _store(queue).recover()
+    assert result == RecoveryResult(failed=1, reset=1, skipped=1)
+    assert (await job_row(queue.db, locked.job_id) or {})["status"] == "in_progress"
+    assert (await job_row(queue.db, other.job_id) or {})["status"] == "failed"
+    assert (await job_row(queue.db, left.job_id) or {})["status"] == "pending"
+    # The next sweep, the lock gone, fails it.
+    assert await _store(queue).recover() == RecoveryResult(failed=1, reset=0)
+    assert await agent_state(queue.db, locked.target_id) == "failed"

@@ -60,6 +60,10 @@ TARGET_DELETED = "target deleted"
 JOB_PANICKED = "job panicked during execution"
 BUILD_FAILED = "build or deploy step failed — see the relevant *_builds row for details"
 SWEEP_BATCH = 100
+#: How long a recovery waits for a job's target row (`recovery_lock_wait`):
+#: longer than any of the queue's own transactions holds it, much shorter than
+#: a statement's time-out.
+RECOVERY_LOCK_WAIT = "2s"
 
 
 #: A status as the statements return it, without the enum's lookup per job.
@@ -287,6 +291,8 @@ class PgJobStore:
     ) -> bool:
         """Fail one claimed job inside the caller's transaction, target locked first."""
         bound = self._bound if stuck_mins is None and held_by is None else None
+        if bound is None:  # a recovery: a target locked elsewhere waits for the next round
+            await conn.execute(Q.recovery_lock_wait, RECOVERY_LOCK_WAIT)
         if agent_id is not None:
             if await conn.fetchval(Q.agent_lock, agent_id, timeout=bound) is None:
                 return False  # the agent is gone, and its jobs with it

@@ -115,6 +115,15 @@ SELECT id FROM agents WHERE id = $1 FOR UPDATE;
 -- As `agent_lock`, for a connector.
 SELECT id FROM mcp_connectors WHERE id = $1 FOR UPDATE;
 
+-- name: recovery_lock_wait
+-- For the rest of a recovery's transaction (the sweep's or the rescue's failing
+-- of one exhausted job): wait $1 (an interval's text) at most for a lock. An
+-- application transaction holding the job's target row makes that one job
+-- wait for the next round (lock_not_available is transient), instead of the
+-- round waiting out the statement's time-out and ending before its other
+-- steps.
+SELECT set_config('lock_timeout', $1, true);
+
 -- name: job_reset_to_pending
 -- Put a claimed job back at the front of the queue: after a panic with attempts
 -- left, or when a hard stop cancels its executor. The attempt stays counted.

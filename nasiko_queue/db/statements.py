@@ -27,6 +27,7 @@ class Queries:
     job_fail: str
     agent_lock: str
     connector_lock: str
+    recovery_lock_wait: str
     job_reset_to_pending: str
     jobs_stuck_exhausted: str
     jobs_reset_stuck: str
