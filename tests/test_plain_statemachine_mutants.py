@@ -129,6 +129,11 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # refused on its plain statement leaves the build job its first statement wrote.
     "enqueue_many_in_separate_transactions": lambda mp: swap(
         mp, Queue, "_insert_statements", _statements_one_by_one),
+    # A give-back of a claimed-ahead job ignores a cancel asked while it waited: the
+    # job is available again, and the next claim runs it.
+    "give_back_ignores_the_cancel": lambda mp: plant_sql(mp, nasiko_queue.plain.store,
+        plain_unclaim=("nasiko_queue_run_end(j.cancel_requested, false)",
+                       "nasiko_queue_run_end(false, false)")),
     # A schedule's tick moves forward when it is behind the tick *or at it*: every
     # scheduler of a round enqueues the tick again.
     "schedule_advance_at_its_own_tick": lambda mp: plant_sql(

@@ -778,6 +778,31 @@ class PlainStateMachine(DatabaseMachine):
                 await trio.sleep(0.005)
         return (rows[0]["id"] if rows else None), answers[0]
 
+    @precondition(lambda self: self.model.next_due(QUEUE) is not None)
+    @rule(cancelled=st.booleans())
+    def claim_ahead_and_give_back(self, cancelled: bool) -> None:
+        """
+        A look-ahead claim takes the next due job, and the job is given back
+        unstarted (`plain_unclaim`: past its TTL, a stop, the fence); with
+        `cancelled`, the application cancels it while it waits in the buffer
+        ("cancelling"): the give-back must end it cancelled, never run.
+        """
+        claimed, answer = self._call(self._claim_and_give_back, cancelled)
+        expected, wanted = self.model.claim_and_give_back(QUEUE, cancelled)
+        assert claimed == expected.id, (
+            f"the claim took {claimed}; the model (priority, then run_at) says {expected.id}")
+        assert answer == wanted, f"the cancel said {answer!r}, the model {wanted!r}"
+
+    async def _claim_and_give_back(self, cancelled: bool) -> tuple[UUID | None, Any]:
+        plain = PlainJobStore(self.env.db, self.config, QUEUE, lambda: None)
+        jobs = await plain.claim(1)
+        if not jobs:
+            return None, None
+        answer = await self.queue.cancel(jobs[0].id) if cancelled else None
+        given = await plain.unclaim(jobs)
+        assert given == 1, f"the give-back took {given} row(s) back, not 1"
+        return jobs[0].id, answer
+
     @precondition(lambda self: any(s == "alive" for s in self.model.workers.values()))
     @rule()
     def rescue(self) -> None:

@@ -262,6 +262,21 @@ class PlainModel:
         self.workers[worker] = "alive"
         return self._claim(queue, worker)
 
+    def claim_and_give_back(self, queue: str, cancelled: bool) -> tuple[PlainJob, str | None]:
+        """
+        A claim takes the next due job into a look-ahead buffer, where it may be
+        cancelled ("cancelling": it is running); then it is given back unstarted
+        (past the buffer's TTL, at a stop, at the fence): its attempt restored,
+        its run_at as it was, available again; or, asked to stop meanwhile,
+        cancelled, never run. Returns the job and the cancel's answer.
+        """
+        job = self._claim(queue, None)
+        assert job is not None
+        answer = self.cancel(job.id) if cancelled else None
+        job.attempt -= 1
+        job.state = CANCELLED if job.cancel_requested else AVAILABLE
+        return job, answer
+
     def rescue(self) -> tuple[int, int, int]:
         """
         Every worker that died has missed its lease: the rescue declares each
