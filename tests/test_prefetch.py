@@ -107,9 +107,10 @@ async def test_prefetch_lets_finishes_share_statements_at_concurrency_one(queue:
 
 
 async def _block_first_job(
-    queue: Queue, n_jobs: int, **config: Any
+    queue: Queue, n_jobs: int, *, store: type[PgJobStore] | None = None, **config: Any
 ) -> tuple[Worker, list[Enqueued], trio.Event, trio.Event]:
-    """A worker whose first job waits on `release`; `started` is set when it runs."""
+    """A worker whose first job waits on `release`; `started` is set when it runs.
+    With `store`, the worker's build store is one of that class."""
     started, release = trio.Event(), trio.Event()
 
     async def run(ctx: Any) -> None:
@@ -119,7 +120,11 @@ async def _block_first_job(
         await succeed(ctx)
 
     jobs = [await enqueue_with_target(queue, "Upload") for _ in range(n_jobs)]
-    worker = Worker(_with(queue, **config), executors_for_all(run))
+    configured = _with(queue, **config)
+    kinds = frozenset(KINDS)
+    own = None if store is None else store(queue.db, configured.config, runnable_kinds=kinds,
+                                           known_kinds=kinds)
+    worker = Worker(configured, executors_for_all(run), store=own)
     return worker, jobs, started, release
 
 
@@ -626,20 +631,12 @@ async def test_a_give_back_past_the_ttl_that_fails_is_tried_again(queue: Queue) 
     warning, and the two jobs stayed running, unstarted, for as long as the
     worker lived (no rescue or sweep takes a live worker's rows).
     """
-    started, release = trio.Event(), trio.Event()
-
-    async def run(ctx: Any) -> None:
-        if not started.is_set():
-            started.set()
-            await release.wait()
-        await succeed(ctx)
-
-    jobs = [await enqueue_with_target(queue, "Upload") for _ in range(3)]
-    config = attrs.evolve(queue.config, prefetch=2, prefetch_ttl=0.2,
-                          retry_initial_delay=0.01)
-    kinds = frozenset(KINDS)
-    store = FailsTheFirstGiveBack(queue.db, config, runnable_kinds=kinds, known_kinds=kinds)
-    worker = Worker(Queue(queue.db, config=config), executors_for_all(run), store=store)
+    worker, jobs, started, release = await _block_first_job(
+        queue, 3, store=FailsTheFirstGiveBack, prefetch=2, prefetch_ttl=0.2,
+        retry_initial_delay=0.01)
+    [lane] = worker.lanes
+    store = lane.store
+    assert isinstance(store, FailsTheFirstGiveBack)
     dropped = LogEvent("could not be given back")
     logging.getLogger("nasiko_queue").addHandler(dropped)
     try:
