@@ -9,7 +9,7 @@ rows in SQL.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -660,6 +660,29 @@ def test_definitions_refuse_what_the_rules_cannot_run() -> None:
         wf.child("me", wf)
     with pytest.raises(ValueError, match="no steps"):
         Workflow("empty").definition(None)
+
+
+@pytest.mark.parametrize(("make", "what"), [
+    (lambda wf: wf.step(delay=1e13)(_noop_step), "delay"),
+    (lambda wf: wf.step(delay=-1.0)(_noop_step), "delay"),
+    (lambda wf: wf.step(delay=float("nan"))(_noop_step), "delay"),
+    (lambda wf: wf.signal("ok", timeout=1e13), "timeout"),
+])
+def test_a_wait_past_what_a_timestamp_holds_is_refused_at_definition(
+    make: Callable[[Workflow], Any], what: str
+) -> None:
+    """A delay or a signal timeout is written as a timestamp by the transition
+    that ends the step before it: 1e13 s past now is out of PostgreSQL's range,
+    so that step's completion failed ("timestamp out of range"), its run stuck.
+    Refused when the workflow is defined instead (100 years at most)."""
+    wf = Workflow("waits")
+    with pytest.raises(ValueError, match=rf"waits\.\w+: a {what} is 0 to 3155760000 seconds"):
+        make(wf)
+    wf.step(delay=3600.0)(_noop_step)  # an hour is fine
+
+
+async def _noop_step(ctx: StepContext) -> None:
+    return None
 
 
 async def test_run_result_is_woken_by_the_runs_end_and_a_failed_run_raises(

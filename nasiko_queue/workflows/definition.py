@@ -34,6 +34,9 @@ __all__ = ["Step", "StepArgs", "StepContext", "Workflow"]
 STEP_KINDS: Final = frozenset({"job", "signal", "child"})
 #: The queue a workflow's steps go to unless it or the step names another.
 DEFAULT_WORKFLOW_QUEUE: Final = "workflows"
+#: The longest a step's `delay` or a signal's `timeout` may be: 100 years, well
+#: inside what PostgreSQL's timestamps hold (a delay of 1e13 s is not).
+MAX_WAIT_SECONDS: Final = 100 * 365.25 * 86400
 
 
 @attrs.frozen(kw_only=True)
@@ -243,6 +246,13 @@ class Workflow:
                              f"got {step.name!r}")
         if step.name in self.steps:
             raise ValueError(f"{self.name}: a step named {step.name!r} exists already")
+        # Checked here, not when a run reaches the step: the timestamp its job or
+        # timer gets is written by the transition that ends the step before, and
+        # one out of PostgreSQL's range would fail that step's completion.
+        for what, seconds, least in (("delay", step.delay, 0.0), ("timeout", step.timeout, 0.0)):
+            if seconds is not None and not least <= seconds <= MAX_WAIT_SECONDS:
+                raise ValueError(f"{self.name}.{step.name}: a {what} is 0 to "
+                                 f"{MAX_WAIT_SECONDS:.0f} seconds (100 years), got {seconds!r}")
         if step.kind == "job":
             from ..queue import check_plain_kind
 
