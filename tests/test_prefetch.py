@@ -9,6 +9,7 @@ when it has waited past `prefetch_ttl` (so an idle replica can take it).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import Counter
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ import trio.testing
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, Worker
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.db.statements import Q
+from nasiko_queue.engine.contracts import WorkerIdentity
 from nasiko_queue.errors import ConfigurationError
 from nasiko_queue.plain.store import PlainJobStore
 from nasiko_queue.testing import KINDS, Enqueued, enqueue_with_target
@@ -652,3 +654,45 @@ async def test_a_give_back_past_the_ttl_that_fails_is_tried_again(queue: Queue) 
                 worker.stop()
     finally:
         logging.getLogger("nasiko_queue").removeHandler(dropped)
+
+
+@pytest.mark.parametrize("lane", ["plain", "builds"])
+async def test_a_give_back_tried_again_after_it_landed_leaves_another_claim_alone(
+    queue: Queue, lane: str
+) -> None:
+    """
+    A give-back is retried until it lands; a try whose answer was lost may have
+    landed already. The give-back restores the attempt, so another worker's
+    claim of the same row has the same attempt number again: the retry must not
+    take that claim back (found by review: it did, and the job ran twice).
+    """
+    a, b = uuid.uuid4(), uuid.uuid4()
+    kinds = frozenset(KINDS)
+    stores: dict[uuid.UUID, Any] = {}
+    for worker in (a, b):
+        if lane == "plain":
+            stores[worker] = PlainJobStore(queue.db, queue.config, "pings",
+                                           lambda w=worker: w)
+        else:
+            store = PgJobStore(queue.db, queue.config, runnable_kinds=kinds,
+                               known_kinds=kinds)
+            await store.register_worker(WorkerIdentity(id=worker, host="h", pid=1,
+                                                       kinds=tuple(kinds)))
+            stores[worker] = store
+    if lane == "plain":
+        await queue.enqueue(Ping(n=1))
+    else:
+        await enqueue_with_target(queue, "Upload")
+    [first] = await stores[a].claim(1)
+    assert await stores[a].unclaim([first]) == 1  # landed; say its answer was lost
+    [second] = await stores[b].claim(1)
+    assert (second.id, second.attempt) == (first.id, first.attempt)
+    assert await stores[a].unclaim([first]) == 0  # the retry
+    if lane == "plain":
+        row = await queue.db.fetchrow(
+            "SELECT state, claimed_by FROM nasiko_queue_jobs WHERE id = $1", first.id)
+        assert tuple(row) == ("running", b)
+    else:
+        row = await queue.db.fetchrow(
+            "SELECT status, claimed_by FROM build_jobs WHERE id = $1", first.id)
+        assert tuple(row) == ("in_progress", b)

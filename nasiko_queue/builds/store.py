@@ -241,7 +241,8 @@ class PgJobStore:
         """
         if not jobs:
             return 0
-        args = ([j.id for j in jobs], [j.attempt for j in jobs], self._config.notify_channel)
+        args = ([j.id for j in jobs], [j.attempt for j in jobs], self._config.notify_channel,
+                self.worker_id)
         row = await self._db.run_bounded(
             lambda conn: conn.fetchrow(Q.jobs_unclaim, *args, timeout=self._bound),
             bound=self._bound, generic=True)

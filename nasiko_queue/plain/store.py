@@ -31,6 +31,7 @@ from ..engine.contracts import (
     LostClaim,
     Starting,
 )
+from ..engine.retry import one_line
 from ..job_errors import JobError, storable
 from .limits import LIMIT_RECHECK
 
@@ -125,12 +126,17 @@ class PlainJobStore:
         """Claimed jobs that never started: available again, attempts restored."""
         if not jobs:
             return 0
-        args = ([j.id for j in jobs], [j.attempt for j in jobs])
+        args = ([j.id for j in jobs], [j.attempt for j in jobs], self._worker_id())
         status = await self._db.run_bounded(
             lambda conn: conn.execute(Q.plain_unclaim, *args, timeout=self._bound),
             bound=self._bound, generic=True)
-        await self._notify()
-        return int(status.split()[-1])
+        given = int(status.split()[-1])
+        try:  # the give-back has committed: a lost wake must not make it run again
+            await self._notify()
+        except Exception as exc:
+            log.warning("gave back %d job(s) of queue %r, but could not wake the other "
+                        "workers (%s); their poll will", given, self.queue, one_line(exc))
+        return given
 
     async def retry(self, job: ClaimedJob, delay: float, error: str) -> str | None:
         """
@@ -150,7 +156,7 @@ class PlainJobStore:
         seconds, its attempt not counted (it never ran); cancelled when a cancel
         was asked for. Returns the state written; None when no longer ours.
         """
-        args = (job.id, job.attempt, delay, storable(error))
+        args = (job.id, job.attempt, delay, storable(error), self._worker_id())
         state: str | None = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_defer, *args, timeout=self._bound),
             bound=self._bound)
