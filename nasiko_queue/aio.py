@@ -159,9 +159,9 @@ async def result(conn: AsyncpgConn, job_id: UUID, result_type: type[Any] | None 
                     async with _listening(conn) as (listener, ended):
                         return await _wait(listener, ended, job_id, result_type)
                 except _CONNECTION_LOST as exc:
-                    if not isinstance(conn, asyncpg.Pool):
-                        raise ConnectionError(f"the connection closed while waiting for job "
-                                              f"{job_id}'s result") from exc
+                    if not isinstance(conn, asyncpg.Pool) or conn.is_closing():
+                        raise ConnectionError(f"the connection (or pool) closed while waiting "
+                                              f"for job {job_id}'s result") from exc
                 await asyncio.sleep(pause)  # then LISTEN and read again, on another
                 pause = min(2 * pause, RESULT_POLL)
     except TimeoutError:
@@ -228,7 +228,11 @@ async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUI
             # after LISTEN is up, and the row read FOR SHARE in the same statement:
             # an end in flight holds the row until it commits, so it is waited for,
             # not missed (as `Results.wait`).
-            row = await conn.fetchrow(Q.result_wait_and_read, job_id, waiter)
+            try:
+                row = await conn.fetchrow(Q.result_wait_and_read, job_id, waiter,
+                                          timeout=RESULT_POLL)
+            except TimeoutError as exc:  # no answer: a peer gone without a word
+                raise _ListenerClosed from exc
             if row is None:
                 raise NoSuchJob(f"no plain job {job_id}")
             if row["state"] == "completed":
@@ -236,10 +240,14 @@ async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUI
                                                                        result_type)
             if row["state"] in ("discarded", "cancelled"):
                 raise JobFailed(job_id, row["state"], row["error_msg"])
-            with contextlib.suppress(TimeoutError):  # no word: read the row again
-                while (heard := await asyncio.wait_for(ended.get(), RESULT_POLL)) != str(job_id):
-                    if heard == _CLOSED:
-                        raise _ListenerClosed
+            # No word within RESULT_POLL: read the row again. A nested timeout,
+            # not wait_for: on Python 3.11, wait_for drops a cancellation (the
+            # caller's timeout) that comes as the queue answers.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RESULT_POLL):
+                    while (heard := await ended.get()) != str(job_id):
+                        if heard == _CLOSED:
+                            raise _ListenerClosed
     finally:
         # The job's end removes the wait too; this is for a wait given up.
         with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):

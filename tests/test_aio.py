@@ -383,3 +383,23 @@ def test_a_result_wait_whose_connection_drops_does_not_hang(dsn: str, given: str
                 assert await waiting == Thumbnail(url="r", width=7)
 
     on_pool(dsn, main)
+
+
+def test_a_result_wait_on_a_pool_closed_under_it_says_so(dsn: str) -> None:
+    """The application closes its pool while a wait runs on it: the wait raises
+    `ConnectionError` at once instead of trying the closed pool again for ever
+    (found by review: with `timeout=None` it never returned)."""
+
+    async def main() -> None:
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+        job_id = await aio.enqueue(pool, Resize(url="r"))
+        waiting = asyncio.create_task(aio.result(pool, job_id))
+        async with asyncio.timeout(TEST_DEADLINE):
+            while not await pool.fetchval(  # noqa: ASYNC110
+                    "SELECT count(*) FROM nasiko_queue_result_waits"):
+                await asyncio.sleep(0.005)
+            pool.terminate()
+            with pytest.raises(ConnectionError, match="closed while waiting"):
+                await waiting
+
+    run_asyncio(main())
