@@ -23,9 +23,11 @@ import re
 from decimal import Decimal
 from typing import Any
 
-#: A digit then an exponent: a number such as 1e+100 (or the like in a string,
-#: which only sends the text to the exact count).
-_EXPONENT = re.compile(r"[0-9][eE]")
+#: A number with an exponent, such as 1e+100, where compact JSON puts a value:
+#: after `:`, `[` or `,` and before `,`, `]` or `}`. A string that happens to
+#: hold the like only sends the text to the exact count; a hex id ("3e4f...")
+#: does not.
+_EXPONENT = re.compile(r"(?<=[:\[,])-?[0-9]+(?:\.[0-9]+)?[eE][+-]?[0-9]+(?=[,\]}])")
 
 
 def compact_size(text: str) -> int:
