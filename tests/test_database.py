@@ -227,7 +227,7 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
             "text[]",
             f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
             "gen_random_uuid(), gen_random_uuid(), ARRAY['success']"),
-        "jobs_unclaim": ("uuid[], int[], text, uuid", f"{ids}, ARRAY[1], 'ch', NULL"),
+        "jobs_unclaim": ("uuid[], int[], text, uuid[]", f"{ids}, ARRAY[1], 'ch', '{{NULL}}'"),
         "jobs_unclaim_lost": ("uuid, int, text", "gen_random_uuid(), 60, 'ch'"),
     }
     types, args = calls[name]

@@ -70,13 +70,14 @@ RECOVERY_LOCK_WAIT = "2s"
 _STATUS: Final = {s.value: s for s in JobStatus}
 
 
-def _claimed(row: asyncpg.Record) -> ClaimedJob:
+def _claimed(row: asyncpg.Record, worker: UUID | None) -> ClaimedJob:
     """A claimed row, field by field (a row of the finish also carries
-    `finished_id` and `finished_status`, which are not the job's)."""
+    `finished_id` and `finished_status`, which are not the job's), claimed by
+    `worker`."""
     return ClaimedJob(id=row["id"], agent_id=row["agent_id"], connector_id=row["connector_id"],
                       owner_id=row["owner_id"], payload=row["payload"],
                       old_attempt=row["old_attempt"], created_at=row["created_at"],
-                      target_soft_deleted=row["target_soft_deleted"])
+                      target_soft_deleted=row["target_soft_deleted"], claimed_by=worker)
 
 
 class PgJobStore:
@@ -133,12 +134,12 @@ class PgJobStore:
         Raises:
             ClaimOutcomeUnknown: no answer in time; the claim may have taken jobs.
         """
-        token = uuid.uuid4()
+        token, worker = uuid.uuid4(), self.worker_id
         args = (limit, self._runnable, self._known, self._config.max_payload_bytes, token,
-                self.worker_id)
+                worker)
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
-        jobs = [_claimed(row) for row in rows]
+        jobs = [_claimed(row, worker) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
 
@@ -178,7 +179,7 @@ class PgJobStore:
                 send again: each finish is guarded by its claim, each build write by
                 the row's status.
         """
-        token = uuid.uuid4()
+        token, worker = uuid.uuid4(), self.worker_id
         sent = [(j, b, r.value if isinstance(r, BuildReport) else None)
                 for j, b, r in finishing]
         sent += [(j, b, "building") for j, b in starts]
@@ -193,7 +194,7 @@ class PgJobStore:
             self._known,
             self._config.max_payload_bytes,
             token,
-            self.worker_id,
+            worker,
         )
         sql = self._finish_sql
         if any(r is not None for _, _, r in sent):
@@ -207,7 +208,7 @@ class PgJobStore:
                 status = row["finished_status"]
                 statuses[row["finished_id"]] = None if status is None else _STATUS[status]
             else:
-                claimed.append(_claimed(row))
+                claimed.append(_claimed(row, worker))
         claimed.sort(key=lambda j: j.order)
         return statuses, claimed
 
@@ -242,7 +243,7 @@ class PgJobStore:
         if not jobs:
             return 0
         args = ([j.id for j in jobs], [j.attempt for j in jobs], self._config.notify_channel,
-                self.worker_id)
+                [j.claimed_by for j in jobs])
         row = await self._db.run_bounded(
             lambda conn: conn.fetchrow(Q.jobs_unclaim, *args, timeout=self._bound),
             bound=self._bound, generic=True)

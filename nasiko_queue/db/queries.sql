@@ -679,7 +679,7 @@ FROM claimed AS c;
 -- they never ran ($1 ids, $2 the attempts the claim gave them), and a NOTIFY on
 -- $3 (when not NULL) so that an idle replica takes them at once. Returns how
 -- many went back; a row the sweep has meanwhile handed on is left alone. $4:
--- the worker whose claim it was (NULL: none). The give-back restores the
+-- the worker each claim named (NULL: none). The give-back restores the
 -- attempt, so the next claim of a row has the same attempt number again: a
 -- retried give-back whose first try had committed unanswered must not match
 -- another worker's claim of it.
@@ -687,9 +687,9 @@ WITH given AS (
     UPDATE build_jobs AS j
     SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1, claim_token = NULL,
         claimed_by = NULL
-    FROM unnest($1::uuid[], $2::int[]) AS b(id, attempt)
+    FROM unnest($1::uuid[], $2::int[], $4::uuid[]) AS b(id, attempt, holder)
     WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
-      AND j.claimed_by IS NOT DISTINCT FROM $4::uuid
+      AND j.claimed_by IS NOT DISTINCT FROM b.holder
     RETURNING j.id
 )
 SELECT count(*) AS given_back,
@@ -1135,7 +1135,7 @@ RETURNING state;
 -- with it attempted_at (as plain_unclaim), so that a job is never discarded for
 -- that alone, whatever its max_attempts; $4 the error, one line. Cancelled
 -- instead when a cancel was asked for (nasiko_queue_run_end's rule). $5: the
--- worker whose claim it was (as plain_unclaim). Returns the state written (no
+-- worker the claim named (as plain_unclaim). Returns the state written (no
 -- row: no longer ours).
 UPDATE nasiko_queue_jobs
 SET (state, run_at, finished_at, error_msg) = (
@@ -1176,8 +1176,8 @@ SET (state, finished_at, error_msg, claimed_by) = (
 WHERE id = $1 AND attempt = $2 AND state = 'running';
 
 -- name: plain_unclaim
--- Claimed jobs that never started ($1 ids, $2 attempts, $3 the worker whose
--- claim it was, as jobs_unclaim's $4): the attempt restored,
+-- Claimed jobs that never started ($1 ids, $2 attempts, $3 the worker each
+-- claim named, as jobs_unclaim's $4): the attempt restored,
 -- and with it attempted_at (the claim kept the value it replaced, migration
 -- 0025); available again, or cancelled when a cancel was asked for while the
 -- job waited (nasiko_queue_run_end's rule: it ends without starting, not run
@@ -1190,9 +1190,9 @@ SET (state, finished_at, error_msg) = (
         FROM nasiko_queue_run_end(j.cancel_requested, false) AS e(state)),
     attempt = j.attempt - 1, attempted_at = j.previous_attempted_at,
     claimed_by = NULL, claim_token = NULL
-FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt)
+FROM unnest($1::uuid[], $2::int[], $3::uuid[]) AS i(id, attempt, holder)
 WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt
-  AND j.claimed_by IS NOT DISTINCT FROM $3::uuid;
+  AND j.claimed_by IS NOT DISTINCT FROM i.holder;
 
 -- name: plain_unclaim_lost
 -- What a claim whose answer was lost took (token $1): the attempt and

@@ -71,6 +71,11 @@ class ClaimedJob:
     kind: str | None = None
     max_attempts: int | None = None
     priority: int = 0
+    #: The worker the claim named (`claimed_by`; None for a tool with no worker
+    #: row). A give-back restores the attempt, so the next claim of the row has
+    #: the same attempt number: the give-back checks this too, and a worker
+    #: that registered anew after the fence still gives back its old claims.
+    claimed_by: UUID | None = None
 
     @property
     def order(self) -> tuple[int, datetime]:

@@ -42,11 +42,12 @@ DISCARDED = "discarded"
 CANCELLED = "cancelled"
 
 
-def _claimed(row: asyncpg.Record, queue: str) -> ClaimedJob:
+def _claimed(row: asyncpg.Record, queue: str, worker: UUID | None) -> ClaimedJob:
     return ClaimedJob(id=row["id"], agent_id=None, connector_id=None, owner_id=None,
                       payload=row["payload"], old_attempt=row["old_attempt"],
                       created_at=row["created_at"], kind=row["kind"],
-                      max_attempts=row["max_attempts"], priority=row["priority"], queue=queue)
+                      max_attempts=row["max_attempts"], priority=row["priority"], queue=queue,
+                      claimed_by=worker)
 
 
 class PlainJobStore:
@@ -73,12 +74,12 @@ class PlainJobStore:
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         """Claim up to `limit` due jobs of the queue, by priority then due time."""
-        token = uuid.uuid4()
-        args = (self.queue, limit, token, self._worker_id(),
+        token, worker = uuid.uuid4(), self._worker_id()
+        args = (self.queue, limit, token, worker,
                 self._config.max_payload_bytes, list[UUID](), list[int]())
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
-        jobs = [_claimed(row, self.queue) for row in rows]
+        jobs = [_claimed(row, self.queue, worker) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
 
@@ -91,9 +92,9 @@ class PlainJobStore:
         Plain jobs have no build row: nothing is started; what an executor
         returned (`JobResult`) is written as the job's result.
         """
-        token = uuid.uuid4()
+        token, worker = uuid.uuid4(), self._worker_id()
         ids, attempts = [j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing]
-        args = (ids, attempts, self.queue, limit, token, self._worker_id(),
+        args = (ids, attempts, self.queue, limit, token, worker,
                 self._config.max_payload_bytes, ids, attempts,
                 [r.json if isinstance(r, JobResult) else None for _, _, r in finishing])
         rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
@@ -105,7 +106,7 @@ class PlainJobStore:
                 done = row["finished_status"] == "completed"
                 statuses[row["finished_id"]] = JobStatus.DONE if done else None
             else:
-                claimed.append(_claimed(row, self.queue))
+                claimed.append(_claimed(row, self.queue, worker))
         claimed.sort(key=lambda j: j.order)
         return statuses, claimed
 
@@ -126,7 +127,7 @@ class PlainJobStore:
         """Claimed jobs that never started: available again, attempts restored."""
         if not jobs:
             return 0
-        args = ([j.id for j in jobs], [j.attempt for j in jobs], self._worker_id())
+        args = ([j.id for j in jobs], [j.attempt for j in jobs], [j.claimed_by for j in jobs])
         status = await self._db.run_bounded(
             lambda conn: conn.execute(Q.plain_unclaim, *args, timeout=self._bound),
             bound=self._bound, generic=True)
@@ -156,7 +157,7 @@ class PlainJobStore:
         seconds, its attempt not counted (it never ran); cancelled when a cancel
         was asked for. Returns the state written; None when no longer ours.
         """
-        args = (job.id, job.attempt, delay, storable(error), self._worker_id())
+        args = (job.id, job.attempt, delay, storable(error), job.claimed_by)
         state: str | None = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_defer, *args, timeout=self._bound),
             bound=self._bound)
