@@ -170,9 +170,32 @@ _TRANSIENT_CODES = frozenset({
 #: Client-side errors that mean the connection, not the statement, failed.
 #: OSError covers ConnectionError and TimeoutError (asyncpg's timeouts);
 #: InternalClientError is asyncpg's word for a connection left in a state it
-#: cannot go on from.
+#: cannot go on from. asyncpg's InterfaceError is both "the connection is gone"
+#: (closed, released on a loss, a pool closing) and "you called me wrong"; the
+#: second kind is told apart below (`_is_misuse`).
 _CONNECTION_ERRORS = (OSError, asyncpg.InterfaceError, asyncpg.InternalClientError,
                       trio.TooSlowError, OutcomeUnknown)
+
+#: InterfaceErrors that a retry on a new connection would meet again: a setting
+#: or a feature the client or the server lacks, and a statement sent with the
+#: wrong number of arguments (code and SQL out of step). Taken for an outage,
+#: such an error would be retried for ever, and a claim would be taken for a lost
+#: one. (A value that cannot be encoded for its parameter raises asyncpg's
+#: DataError, a PostgresError of SQLSTATE 22000: refused on the merits already.)
+#: An operation begun while another is in progress on the same connection is
+#: not here: a new connection cures it.
+_MISUSE_ERRORS = (asyncpg.ClientConfigurationError, asyncpg.UnsupportedClientFeatureError,
+                  asyncpg.UnsupportedServerFeatureError)
+_MISUSE_MESSAGES = ("the server expects ", "the number of query arguments cannot exceed")
+
+
+def _is_misuse(exc: BaseException) -> bool:
+    return isinstance(exc, _MISUSE_ERRORS) or (
+        type(exc) is asyncpg.InterfaceError and str(exc).startswith(_MISUSE_MESSAGES))
+
+
+def _is_lost_connection(exc: BaseException) -> bool:
+    return isinstance(exc, _CONNECTION_ERRORS) and not _is_misuse(exc)
 
 
 def sqlstate(exc: BaseException) -> str:
@@ -188,7 +211,7 @@ def is_connection_error(exc: BaseException) -> bool:
     """
     if isinstance(exc, BaseExceptionGroup):
         return all(is_connection_error(e) for e in exc.exceptions)
-    return isinstance(exc, _CONNECTION_ERRORS) or sqlstate(exc)[:2] == "08" or \
+    return _is_lost_connection(exc) or sqlstate(exc)[:2] == "08" or \
         sqlstate(exc) in ("57P01", "57P02", "57P03")
 
 
@@ -206,7 +229,7 @@ def is_transient(exc: BaseException) -> bool:
     """
     if isinstance(exc, BaseExceptionGroup):
         return all(is_transient(e) for e in exc.exceptions)
-    if isinstance(exc, _CONNECTION_ERRORS):
+    if _is_lost_connection(exc):
         return True
     code = sqlstate(exc)
     if not code or code in _NEVER_TRANSIENT:

@@ -24,7 +24,7 @@ from nasiko_queue import Database, DatabaseConfig, Queue, open_database
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.cli.worker import _unreachable
 from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED, RecoveryResult
-from nasiko_queue.errors import OutcomeUnknown, is_transient
+from nasiko_queue.errors import OutcomeUnknown, is_connection_error, is_transient
 from nasiko_queue.testing import KINDS, enqueue_with_target
 
 from .helpers import LogEvent, agent_state, executors_for_all, job_row, running, succeed
@@ -188,3 +188,41 @@ async def test_the_sweep_leaves_a_locked_target_for_the_next_sweep_and_fails_the
         assert await agent_state(queue.db, other.target_id) == "failed"
         assert await store.recover() == RecoveryResult(failed=1, reset=0)
     assert await agent_state(queue.db, locked.target_id) == "failed"
+
+
+async def test_a_statement_sent_with_the_wrong_arguments_is_a_bug_not_an_outage(
+    queue: Queue
+) -> None:
+    """Code and SQL out of step (a statement given one argument too many, as after
+    an upgrade half done) fails the same way on every connection. It used to be
+    taken for a lost connection: a bounded statement's error became
+    `OutcomeUnknown` (a claim "lost" on every poll), and a final update was retried
+    for ever instead of falling back. A connection closed under a statement is
+    still an outage."""
+    async def too_many(conn: Any) -> Any:
+        return await conn.fetchval("SELECT $1::int", 1, 2)
+
+    for generic in (False, True):
+        with pytest.raises(asyncpg.InterfaceError) as wrong:
+            await queue.db.run_bounded(too_many, bound=30, generic=generic)
+        assert not isinstance(wrong.value, OutcomeUnknown)
+        assert "expects 1 argument" in str(wrong.value)
+        assert not is_transient(wrong.value)
+        assert not is_connection_error(wrong.value)
+
+    async def closed_under_it(conn: Any) -> Any:
+        await conn.close()
+        return await conn.fetchval("SELECT 1")
+
+    with pytest.raises(OutcomeUnknown) as lost:
+        await queue.db.run_bounded(closed_under_it, bound=30, generic=True)
+    assert is_transient(lost.value.__cause__ or lost.value)
+    for exc in (asyncpg.InterfaceError("cannot perform operation: connection is closed"),
+                asyncpg.InterfaceError("cannot perform operation: another operation is "
+                                       "in progress"),
+                asyncpg.ConnectionDoesNotExistError("connection was closed in the middle")):
+        assert is_connection_error(exc), exc
+        assert is_transient(exc), exc
+    for exc in (asyncpg.ClientConfigurationError("bad sslmode"),
+                asyncpg.UnsupportedServerFeatureError("no such feature")):
+        assert not is_transient(exc), exc
