@@ -196,6 +196,41 @@ async def test_a_limited_queue_whose_lock_is_held_never_starves_another_queue(
     assert worker.stats.lost_claims == 0
 
 
+
+PICK = "SELECT nasiko_queue_limited_pick('api', 2, '{}'::uuid[], '{}'::int[])"
+HOLDS_LIMITS_LOCK = """
+SELECT count(*) FROM pg_locks
+WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+  AND classid::int = hashtext('nasiko_queue.limits') AND objid::int = hashtext('api')
+"""
+
+
+async def test_the_picks_lock_wait_leaves_the_callers_lock_timeout(
+    queue: Queue,
+) -> None:
+    """
+    The pick's bounded wait for its queue's lock (migration 0028) sets
+    lock_timeout for itself only: the caller's own is as it was after the pick,
+    whether the lock was free or held by another claim (then the pick claims
+    nothing after 250 ms, not after the caller's 7 s). A lock taken is held to
+    the end of the caller's transaction: the count of running jobs must see
+    every committed claim.
+    """
+    await queue.set_limit("api", concurrency=2)
+    await _fill(queue, 3)
+    async with queue.db.transaction() as tx:
+        await tx.execute("SET LOCAL lock_timeout = '7s'")
+        assert len(await tx.fetchval(PICK)) == 2
+        assert await tx.fetchval("SHOW lock_timeout") == "7s"
+        assert await tx.fetchval(HOLDS_LIMITS_LOCK) == 1
+    async with queue.db.transaction() as stalled:
+        await stalled.execute(LIMITS_LOCK, "api")
+        async with queue.db.transaction() as tx:
+            await tx.execute("SET LOCAL lock_timeout = '7s'")
+            assert await tx.fetchval(PICK) == []  # after 250 ms, not 7 s
+            assert await tx.fetchval("SHOW lock_timeout") == "7s"
+            assert await tx.fetchval(HOLDS_LIMITS_LOCK) == 0
+
 async def test_every_end_of_a_run_frees_its_slot(queue: Queue) -> None:
     """A retry, a dead letter, a cancelled run and a give-back each free one slot."""
     await queue.set_limit("api", concurrency=4)
