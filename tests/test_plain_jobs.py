@@ -267,6 +267,27 @@ async def test_a_unique_key_frees_once_its_job_leaves_the_unique_states(queue: Q
     assert ever in (first, second)
 
 
+
+async def test_a_key_is_held_by_its_jobs_own_states_not_the_next_enqueues(
+    queue: Queue,
+) -> None:
+    """The rule the README states: the states kept with the job decide. A key
+    whose job had the default states is free once that job completed, even for
+    an enqueue that names "completed"; a key whose job named "completed" stays
+    held once it completed, even against an enqueue with the default states."""
+    executors = Executors()
+    executors.register(Step, _noop)
+    ever = Unique("ever", states={"available", "running", "completed"})
+    plain = await queue.enqueue(Step(n=1), unique=Unique("plain"))
+    once = await queue.enqueue(Step(n=2), unique=ever)
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.done >= 2)
+    assert await queue.enqueue(Step(n=3), unique=Unique(
+        "plain", states={"available", "running", "completed"})) != plain
+    assert await queue.enqueue(Step(n=4), unique=Unique("ever")) == once
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 3
+
 async def _noop(_ctx: Any) -> None:
     return None
 
