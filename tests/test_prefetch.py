@@ -696,3 +696,54 @@ async def test_a_give_back_tried_again_after_it_landed_leaves_another_claim_alon
         row = await queue.db.fetchrow(
             "SELECT status, claimed_by FROM build_jobs WHERE id = $1", first.id)
         assert tuple(row) == ("in_progress", b)
+
+
+class GiveBacksFailDuringAnOutage(PgJobStore):
+    """The real store, whose give-backs meet a dropped connection while `down`
+    (an outage's error, raised before the statement is sent); `tried` is set at
+    the second failed try (the give-back is retrying)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.down = True
+        self.give_backs = 0
+        self.tried = trio.Event()
+
+    async def unclaim(self, jobs: Any) -> int:
+        self.give_backs += 1
+        if self.down:
+            if self.give_backs >= 2:
+                self.tried.set()
+            raise ConnectionResetError("connection dropped (injected)")
+        return await super().unclaim(jobs)
+
+
+async def test_a_stop_during_an_outage_long_give_back_ends_within_its_bound(
+    queue: Queue,
+) -> None:
+    """
+    A give-back past the TTL begins during an outage and retries (the worker is
+    alive: no rescue would take its rows). A graceful stop then comes, and the
+    outage goes on: the give-back has 2 × `cleanup_timeout` more, as the stop's
+    own writes have, and the worker returns, its two jobs left running for the
+    rescue. It used to go on retrying until the outage ended: the stop waited
+    for it (here, for ever).
+    """
+    worker, jobs, started, release = await _block_first_job(
+        queue, 3, store=GiveBacksFailDuringAnOutage, prefetch=2, prefetch_ttl=0.2,
+        retry_initial_delay=0.01, retry_max_delay=0.05, cleanup_timeout=0.2)
+    [lane] = worker.lanes
+    store = lane.store
+    assert isinstance(store, GiveBacksFailDuringAnOutage)
+    with LogEvent("could not be given back") as dropped, trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await started.wait()
+            await store.tried.wait()  # the TTL's give-back retries through the outage
+            release.set()
+            worker.stop()
+        assert dropped.count == 1
+    assert store.down
+    rows = await _rows(queue, jobs)
+    assert rows[0] == ("done", 1, True)
+    assert rows[1:] == [("in_progress", 1, True)] * 2  # the rescue's, once the worker is gone

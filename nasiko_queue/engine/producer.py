@@ -222,8 +222,13 @@ class Producer:
         state = self.state
         state.resolving += 1
         try:
-            given = await self.retry.final("lost claim",
-                                           lambda: self.store.resolve_lost_claim(claim))
+            with state.last_write() as bounded:
+                given = await self.retry.final("lost claim",
+                                               lambda: self.store.resolve_lost_claim(claim))
+            if bounded.cancelled_caught:
+                log.error("a claim whose answer was lost could not be resolved in time; "
+                          "its jobs wait for a rescue or the sweep")
+                return
             state.stats.lost_claims += 1
             state.stats.returned += given
             if given:
@@ -269,20 +274,19 @@ class Producer:
         # Retried until it lands, as the other final writes are: while this
         # worker lives, no rescue or sweep takes its rows, so a give-back
         # dropped on one failure left its jobs running unstarted for the
-        # worker's whole life. Winding down, bounded as the other last writes
-        # (the rows are then the rescue's once the worker is gone).
+        # worker's whole life. Once the lane closes, bounded as the other last
+        # writes (the rows are then the rescue's once the worker is gone).
+        given: int | None = None
         try:
-            if state.closing:
-                with trio.move_on_after(2 * self.config.cleanup_timeout) as bounded:
-                    given = await self.retry.final("give-back",
-                                                   lambda: self.store.unclaim(jobs))
-                if bounded.cancelled_caught:
-                    raise TimeoutError("not within the stop's bound")
-            else:
+            with state.last_write():
                 given = await self.retry.final("give-back", lambda: self.store.unclaim(jobs))
-        except (FinalWriteRefused, TimeoutError) as exc:
+        except FinalWriteRefused as exc:
+            failure = one_line(exc)
+        else:
+            failure = "not within the stop's bound"
+        if given is None:
             log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
-                        "the sweep will", len(jobs), one_line(exc))
+                        "the sweep will", len(jobs), failure)
         else:
             state.stats.returned += given
             log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
@@ -310,12 +314,7 @@ class Producer:
                 await self._give_back(self._take_fenced_out(), "taken out of the buffer "
                                       "by the fence")
             elif state.lost_claims:
-                claim = state.lost_claims.pop()
-                with trio.move_on_after(bound) as scope:
-                    await self.resolve(claim)
-                if scope.cancelled_caught:
-                    log.error("a claim whose answer was lost could not be resolved in time; "
-                              "its jobs wait for a rescue or the sweep")
+                await self.resolve(state.lost_claims.pop())  # bounded: `last_write`
             elif state.buffer:
                 await self.give_back(expired=False)
             elif state.finishes or state.starts:

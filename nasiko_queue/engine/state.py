@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from uuid import UUID
 
 import attrs
@@ -272,6 +273,9 @@ class LaneState:
     slots_alive: int = 0
     #: The lane is winding down (graceful or hard): slots take nothing more.
     closing: bool = False
+    #: Last writes under way that retry through outages while the lane runs,
+    #: each with the seconds it may go on once the lane closes (`last_write`).
+    last_writes: dict[trio.CancelScope, float] = attrs.Factory(dict)
     #: Set while no drain runs; the producer claims to fill the room only while
     #: it is clear, and ends the drain by setting it.
     drain_ended: trio.Event = attrs.Factory(trio.Event)
@@ -392,9 +396,35 @@ class LaneState:
         """
         self.drain_id += 1
 
+    @contextmanager
+    def last_write(self) -> Iterator[trio.CancelScope]:
+        """
+        The scope of a write that must land (a give-back, a lost claim's
+        resolution): unbounded while the lane runs, since no rescue takes a
+        live worker's rows; from the close on (at once, if closed already) it
+        has 2 × `cleanup_timeout` more, as the wind-down's own writes have.
+        Else a stop that came during an outage's retries would wait for the
+        outage to end. The caller checks `cancelled_caught`: the rows are then
+        the rescue's once the worker is gone.
+        """
+        bound = 2 * self.config.cleanup_timeout
+        scope = trio.CancelScope()
+        if self.closing:
+            scope.deadline = trio.current_time() + bound
+        self.last_writes[scope] = bound
+        try:
+            with scope:
+                yield scope
+        finally:
+            del self.last_writes[scope]
+
     def close(self) -> None:
         """Slots take nothing more; the producer gives the buffer back and winds down."""
         self.closing = True
+        if self.last_writes:
+            now = trio.current_time()
+            for scope, bound in self.last_writes.items():
+                scope.deadline = min(scope.deadline, now + bound)
         self.end_drain()
         self.wake_event.set()
         self.job_ready.unpark_all()
