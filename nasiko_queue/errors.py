@@ -121,6 +121,15 @@ class OutcomeUnknown(NasikoQueueError):
         self.backend_pid = backend_pid
 
 
+class NotWithinTheStopsBound(NasikoQueueError):
+    """
+    A last write (a give-back, a lost claim's resolution, the last finishes)
+    stopped retrying through an outage: the worker is stopping and its bound
+    (`cleanup_timeout` after the stop, and the try under way) has passed. Its
+    jobs are left for the rescue, once the worker is gone.
+    """
+
+
 class FinalWriteRefused(NasikoQueueError):
     """
     A final write (a job's outcome) was refused on its merits, and so was

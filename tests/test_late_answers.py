@@ -155,11 +155,11 @@ async def test_a_hard_stop_is_bounded_when_the_server_stops_answering(
         proxy = Proxy(dsn)
         await outer.start(proxy.run)
         # The worst case of a hard stop (README, "Stopping"): the running jobs'
-        # releases (in parallel), the last finishes (two tries), the give-back
-        # of the buffer (two tries), one lost claim's resolution (two tries),
-        # the worker row's removal: eight bounds; then the three pools' close,
-        # one each.
-        worst = 11 * BOUND
+        # releases (in parallel), the last finishes (two bounds), the give-back
+        # of the buffer (three, with its wake), one lost claim's resolution
+        # (two), the worker row's removal: nine bounds; then the four pools'
+        # close, one each.
+        worst = 13 * BOUND
         with trio.fail_after(worst + 1.0):  # + slack for a loaded machine
             async with open_database(attrs.evolve(
                     _config_of(proxy), cleanup_timeout=BOUND)) as db:

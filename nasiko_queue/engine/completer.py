@@ -42,7 +42,7 @@ import trio
 from ..errors import FinalWriteRefused, OutcomeUnknown
 from ..job_errors import minimal_text
 from .contracts import ClaimedJob, ClaimOutcomeUnknown, JobStatus, LaneStore, Starting
-from .retry import RetryPolicy, one_line
+from .retry import Budget, RetryPolicy, one_line
 from .state import START_WRITE_DELAY, Finish, LaneState
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -104,11 +104,12 @@ class Completer:
         return [start for _at, start in starts[:due]]
 
     async def send(self, batch: list[Finish], want: int,
-                   starts: list[Starting] | None = None) -> list[ClaimedJob]:
+                   starts: list[Starting] | None = None,
+                   budget: Budget | None = None) -> list[ClaimedJob]:
         """
         Record every outcome of `batch`, write `starts`, and claim up to `want`
         jobs (on the first try only); return the claimed jobs. Retried until it
-        lands.
+        lands, or its `budget` (a stop's) is spent.
         """
         finishing = [(f.job, f.build_id, f.report) for f in batch]
         starting = starts or []
@@ -133,7 +134,8 @@ class Completer:
                 statuses.update(await self._finish_alone(finish))
             return statuses, []
 
-        statuses, claimed = await self.retry.final("finish", send_once, fallbacks=[one_by_one])
+        statuses, claimed = await self.retry.final("finish", send_once, fallbacks=[one_by_one],
+                                                   budget=budget)
         self.record(batch, statuses)
         if starting:
             self.state.stats.marked_building += len(starting)

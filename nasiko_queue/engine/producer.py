@@ -30,10 +30,10 @@ from datetime import UTC, datetime
 
 import trio
 
-from ..errors import FinalWriteRefused, is_transient
+from ..errors import FinalWriteRefused, NotWithinTheStopsBound, is_transient
 from .completer import Completer
 from .contracts import ClaimedJob, ClaimOutcomeUnknown, LaneStore, LostClaim, Starting
-from .retry import RetryPolicy, one_line
+from .retry import Budget, RetryPolicy, one_line
 from .state import STATEMENTS_IN_FLIGHT, Finish, LaneState
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -135,9 +135,11 @@ class Producer:
         self.state.notify()
 
     async def _send_finishes(self, batch: list[Finish], want: int, sent: tuple[int, int],
-                             starts: list[Starting] | None = None) -> None:
+                             starts: list[Starting] | None = None,
+                             budget: Budget | None = None) -> None:
         try:
-            await self._accept(await self.completer.send(batch, want, starts), want, sent)
+            await self._accept(await self.completer.send(batch, want, starts, budget=budget),
+                               want, sent)
         finally:
             self._done(want)
 
@@ -221,19 +223,24 @@ class Producer:
         """Give back what a lost claim took (retried until the database answers)."""
         state = self.state
         state.resolving += 1
+        landed: list[int] = []  # also what a hard stop's last try gave back
+
+        async def resolve() -> int:
+            landed.append(await self.store.resolve_lost_claim(claim))
+            return landed[-1]
+
         try:
-            with state.last_write() as bounded:
-                given = await self.retry.final("lost claim",
-                                               lambda: self.store.resolve_lost_claim(claim))
-            if bounded.cancelled_caught:
-                log.error("a claim whose answer was lost could not be resolved in time; "
-                          "its jobs wait for a rescue or the sweep")
-                return
-            state.stats.lost_claims += 1
-            state.stats.returned += given
-            if given:
-                self.wake()  # they are pending again: claim them (or let a replica)
+            with state.last_write() as budget:
+                await self.retry.final("lost claim", resolve, budget=budget)
+        except NotWithinTheStopsBound:
+            log.error("a claim whose answer was lost could not be resolved in time; "
+                      "its jobs wait for a rescue or the sweep")
         finally:
+            if landed:
+                state.stats.lost_claims += 1
+                state.stats.returned += landed[-1]
+                if landed[-1]:
+                    self.wake()  # they are pending again: claim them (or let a replica)
             state.resolving -= 1
             state.kick()
             state.notify()
@@ -276,20 +283,25 @@ class Producer:
         # dropped on one failure left its jobs running unstarted for the
         # worker's whole life. Once the lane closes, bounded as the other last
         # writes (the rows are then the rescue's once the worker is gone).
-        given: int | None = None
+        landed: list[int] = []  # also what a hard stop's last try gave back
+
+        async def unclaim() -> int:
+            landed.append(await self.store.unclaim(jobs))
+            return landed[-1]
+
+        failure = ""
         try:
-            with state.last_write():
-                given = await self.retry.final("give-back", lambda: self.store.unclaim(jobs))
-        except FinalWriteRefused as exc:
+            with state.last_write() as budget:
+                await self.retry.final("give-back", unclaim, budget=budget)
+        except (FinalWriteRefused, NotWithinTheStopsBound) as exc:
             failure = one_line(exc)
-        else:
-            failure = "not within the stop's bound"
-        if given is None:
-            log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
-                        "the sweep will", len(jobs), failure)
-        else:
-            state.stats.returned += given
-            log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
+        finally:
+            if landed:
+                state.stats.returned += landed[-1]
+                log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
+            else:
+                log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
+                            "the sweep will", len(jobs), failure or "stopped")
         state.notify()
 
     # -- winding down ------------------------------------------------------------
@@ -307,7 +319,6 @@ class Producer:
         """
         state = self.state
         state.closing = True
-        bound = 2 * self.config.cleanup_timeout  # one try, and one more after a pause
         while (state.lost_claims or state.buffer or state.fenced_out or state.finishes
                or state.starts or state.slots_alive):
             if state.fenced_out:
@@ -319,9 +330,11 @@ class Producer:
                 await self.give_back(expired=False)
             elif state.finishes or state.starts:
                 batch, starts = self.completer.take_batch(), self.completer.take_starts()
-                with trio.move_on_after(bound) as scope:
-                    await self._send_finishes(batch, 0, self._begin(0), starts)
-                if scope.cancelled_caught:
+                try:
+                    with state.last_write() as budget:
+                        await self._send_finishes(batch, 0, self._begin(0), starts,
+                                                  budget=budget)
+                except NotWithinTheStopsBound:
                     self.completer.dropped(batch, starts)
             else:
                 await state.wait_kicked()

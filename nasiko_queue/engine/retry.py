@@ -21,18 +21,44 @@ and no rule of the application's can wedge a slot on one job.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+import attrs
 import trio
 
 from ..config import QueueConfig
-from ..errors import FinalWriteRefused, is_transient
+from ..errors import FinalWriteRefused, NotWithinTheStopsBound, is_transient
 from ..job_errors import storable
 
 log = logging.getLogger("nasiko_queue.worker")
 
 T = TypeVar("T")
+
+
+@attrs.define(eq=False)
+class Budget:
+    """
+    Until when a last write (a give-back, a lost claim's resolution, the
+    wind-down's finishes) may begin another try: never while its lane runs,
+    since no rescue takes a live worker's rows; once the lane closes, one
+    `cleanup_timeout` more (`LaneState.last_write`). The try under way then is
+    let finish (it is bounded by the store), and no last try follows: a
+    retried write takes two bounds from the stop at most.
+    """
+
+    give_up_at: float = math.inf
+    #: The pause between two tries, while one is under way: cut short at `give_up_at`.
+    nap: trio.CancelScope | None = None
+
+    def close_in(self, seconds: float) -> None:
+        self.give_up_at = min(self.give_up_at, trio.current_time() + seconds)
+        if self.nap is not None:
+            self.nap.deadline = min(self.nap.deadline, self.give_up_at)
+
+    def spent(self) -> bool:
+        return trio.current_time() >= self.give_up_at
 
 
 class RetryPolicy:
@@ -47,16 +73,21 @@ class RetryPolicy:
         op: Callable[[], Awaitable[T]],
         *,
         fallbacks: Sequence[Callable[[], Awaitable[T]]] = (),
+        budget: Budget | None = None,
     ) -> T:
         """
         Run `op` until it succeeds, through outages; after `terminalize_tries`
         refusals on the merits, the next of `fallbacks` takes over; after as
         many of the last one, raise `FinalWriteRefused` (from the refusal).
+        With a `budget`, raise `NotWithinTheStopsBound` instead of beginning a
+        try once it is spent.
         """
         delay = self.config.retry_initial_delay
         rejected = 0
         remaining = list(fallbacks)
         while True:
+            if budget is not None and budget.spent():
+                raise NotWithinTheStopsBound(f"{what} update: not within the stop's bound")
             with trio.CancelScope(shield=True):
                 try:
                     return await op()
@@ -74,7 +105,15 @@ class RetryPolicy:
             log.warning("%s update failed (%s); retrying in %.2fs", what, one_line(failure),
                         delay, exc_info=failure)
             try:
-                await trio.sleep(delay)
+                with trio.move_on_after(delay) as nap:
+                    if budget is not None:
+                        nap.deadline = min(nap.deadline, budget.give_up_at)
+                        budget.nap = nap
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        if budget is not None:
+                            budget.nap = None
             except trio.Cancelled:
                 with trio.CancelScope(shield=True):
                     try:

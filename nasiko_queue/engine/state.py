@@ -27,6 +27,7 @@ import trio
 from ..config import QueueConfig
 from .contracts import BuildReport, ClaimedJob, JobResult, LostClaim, Starting
 from .lookahead import LookAhead
+from .retry import Budget
 
 #: Statements the producer keeps in flight at once with several slots.
 STATEMENTS_IN_FLIGHT = 2
@@ -273,9 +274,9 @@ class LaneState:
     slots_alive: int = 0
     #: The lane is winding down (graceful or hard): slots take nothing more.
     closing: bool = False
-    #: Last writes under way that retry through outages while the lane runs,
-    #: each with the seconds it may go on once the lane closes (`last_write`).
-    last_writes: dict[trio.CancelScope, float] = attrs.Factory(dict)
+    #: Last writes under way, retrying through outages while the lane runs
+    #: (`last_write`): the close limits each.
+    last_writes: set[Budget] = attrs.Factory(set)
     #: Set while no drain runs; the producer claims to fill the room only while
     #: it is clear, and ends the drain by setting it.
     drain_ended: trio.Event = attrs.Factory(trio.Event)
@@ -397,34 +398,30 @@ class LaneState:
         self.drain_id += 1
 
     @contextmanager
-    def last_write(self) -> Iterator[trio.CancelScope]:
+    def last_write(self) -> Iterator[Budget]:
         """
-        The scope of a write that must land (a give-back, a lost claim's
-        resolution): unbounded while the lane runs, since no rescue takes a
-        live worker's rows; from the close on (at once, if closed already) it
-        has 2 × `cleanup_timeout` more, as the wind-down's own writes have.
-        Else a stop that came during an outage's retries would wait for the
-        outage to end. The caller checks `cancelled_caught`: the rows are then
-        the rescue's once the worker is gone.
+        The budget of a write that must land (a give-back, a lost claim's
+        resolution, the wind-down's finishes), for `RetryPolicy.final`:
+        unlimited while the lane runs, since no rescue takes a live worker's
+        rows; from the close on (at once, if closed already) it may begin tries
+        for one `cleanup_timeout` more, and the try under way then ends within
+        its own bound. Else a stop that came during an outage's retries would
+        wait for the outage to end.
         """
-        bound = 2 * self.config.cleanup_timeout
-        scope = trio.CancelScope()
+        budget = Budget()
         if self.closing:
-            scope.deadline = trio.current_time() + bound
-        self.last_writes[scope] = bound
+            budget.close_in(self.config.cleanup_timeout)
+        self.last_writes.add(budget)
         try:
-            with scope:
-                yield scope
+            yield budget
         finally:
-            del self.last_writes[scope]
+            self.last_writes.discard(budget)
 
     def close(self) -> None:
         """Slots take nothing more; the producer gives the buffer back and winds down."""
         self.closing = True
-        if self.last_writes:
-            now = trio.current_time()
-            for scope, bound in self.last_writes.items():
-                scope.deadline = min(scope.deadline, now + bound)
+        for budget in self.last_writes:
+            budget.close_in(self.config.cleanup_timeout)
         self.end_drain()
         self.wake_event.set()
         self.job_ready.unpark_all()
