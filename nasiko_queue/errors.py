@@ -186,8 +186,9 @@ _CONNECTION_ERRORS = (OSError, asyncpg.InterfaceError, asyncpg.InternalClientErr
                       trio.TooSlowError, OutcomeUnknown)
 
 #: InterfaceErrors that a retry on a new connection would meet again: a setting
-#: or a feature the client or the server lacks, and a statement sent with the
-#: wrong number of arguments (code and SQL out of step). Taken for an outage,
+#: or a feature the client or the server lacks, an authentication method the
+#: client cannot do, and a statement sent with the wrong number of arguments
+#: (code and SQL out of step). Taken for an outage,
 #: such an error would be retried for ever, and a claim would be taken for a lost
 #: one. (A value that cannot be encoded for its parameter raises asyncpg's
 #: DataError, a PostgresError of SQLSTATE 22000: refused on the merits already.)
@@ -195,7 +196,13 @@ _CONNECTION_ERRORS = (OSError, asyncpg.InterfaceError, asyncpg.InternalClientErr
 #: not here: a new connection cures it.
 _MISUSE_ERRORS = (asyncpg.ClientConfigurationError, asyncpg.UnsupportedClientFeatureError,
                   asyncpg.UnsupportedServerFeatureError)
-_MISUSE_MESSAGES = ("the server expects ", "the number of query arguments cannot exceed")
+_MISUSE_MESSAGES = (
+    "the server expects ", "the number of query arguments cannot exceed",
+    # authentication the client cannot do: the server asks for it on every connect
+    "unsupported authentication method", "unsupported SASL Authentication methods",
+    "could not verify server signature", "gssapi module not found",
+    "sspilib module not found",
+)
 
 
 def _is_misuse(exc: BaseException) -> bool:

@@ -267,7 +267,6 @@ async def test_a_unique_key_frees_once_its_job_leaves_the_unique_states(queue: Q
     assert ever in (first, second)
 
 
-
 async def test_a_key_is_held_by_its_jobs_own_states_not_the_next_enqueues(
     queue: Queue,
 ) -> None:
@@ -287,6 +286,7 @@ async def test_a_key_is_held_by_its_jobs_own_states_not_the_next_enqueues(
         "plain", states={"available", "running", "completed"})) != plain
     assert await queue.enqueue(Step(n=4), unique=Unique("ever")) == once
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 3
+
 
 async def _noop(_ctx: Any) -> None:
     return None

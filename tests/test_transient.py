@@ -224,5 +224,10 @@ async def test_a_statement_sent_with_the_wrong_arguments_is_a_bug_not_an_outage(
         assert is_connection_error(exc), exc
         assert is_transient(exc), exc
     for exc in (asyncpg.ClientConfigurationError("bad sslmode"),
-                asyncpg.UnsupportedServerFeatureError("no such feature")):
+                asyncpg.UnsupportedServerFeatureError("no such feature"),
+                asyncpg.InterfaceError("unsupported authentication method requested by the "
+                                       "server: 'kerberos4'"),
+                asyncpg.InterfaceError("gssapi module not found; please install "
+                                       "asyncpg[gssauth] to use asyncpg with Kerberos")):
         assert not is_transient(exc), exc
+        assert not _unreachable(exc), exc  # the CLI reports it instead of waiting
