@@ -11,20 +11,33 @@ slot goes on: the next job of the queue runs and a graceful stop returns.
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any, ClassVar
 
+import asyncpg
 import attrs
 import pytest
 import trio
 
-from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, Queue, job_errors
+from nasiko_queue import (
+    Executors,
+    JobArgs,
+    JobOptions,
+    PlainJobContext,
+    Queue,
+    Worker,
+    job_errors,
+)
+from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.config import QueueConfig
+from nasiko_queue.engine.contracts import LostClaim
 from nasiko_queue.engine.retry import RetryPolicy, one_line
 from nasiko_queue.errors import FinalWriteRefused
 from nasiko_queue.job_errors import describe, one_line_error, storable
 from nasiko_queue.plain.executor import MAX_BACKOFF, clamp_backoff
+from nasiko_queue.testing import KINDS
 
-from .helpers import TEST_DEADLINE, LogEvent, running
+from .helpers import TEST_DEADLINE, LogEvent, executors_for_all, running, succeed
 
 
 @attrs.frozen(kw_only=True)
@@ -187,3 +200,29 @@ async def test_the_retry_policy_gives_up_on_a_refusal_and_falls_back_in_order() 
         with pytest.raises(FinalWriteRefused) as raised:
             await policy.final("x", refused("c"))
     assert isinstance(raised.value.__cause__, ValueError)
+
+
+class RefusesResolutions(PgJobStore):
+    """The real store, whose resolution of a lost claim is refused on its merits
+    (as code and SQL out of step would be, or a trigger)."""
+
+    async def resolve_lost_claim(self, claim: Any) -> int:
+        raise asyncpg.InterfaceError("the server expects 1 argument for this query, "
+                                     "2 were passed (injected)")
+
+
+async def test_a_lost_claim_whose_resolution_is_refused_is_logged_not_raised(
+    queue: Queue,
+) -> None:
+    """A resolution refused `terminalize_tries` times raised `FinalWriteRefused`
+    out of the producer, through the worker's nursery, to the application. It
+    is logged instead; the claim's jobs (if any) are the rescue's."""
+    config = attrs.evolve(queue.config, terminalize_tries=2, retry_initial_delay=0.01)
+    kinds = frozenset(KINDS)
+    store = RefusesResolutions(queue.db, config, runnable_kinds=kinds, known_kinds=kinds)
+    worker = Worker(Queue(queue.db, config=config), executors_for_all(succeed), store=store)
+    [lane] = worker.lanes
+    with LogEvent("could not be resolved") as logged, trio.fail_after(TEST_DEADLINE):
+        await lane.producer.resolve(LostClaim(uuid.uuid4(), None))
+    assert logged.count == 1
+    assert lane.state.resolving == 0

@@ -155,11 +155,11 @@ async def test_a_hard_stop_is_bounded_when_the_server_stops_answering(
         proxy = Proxy(dsn)
         await outer.start(proxy.run)
         # The worst case of a hard stop (README, "Stopping"): the running jobs'
-        # releases (in parallel), the last finishes (two bounds), the give-back
-        # of the buffer (three, with its wake), one lost claim's resolution
-        # (two), the worker row's removal: nine bounds; then the four pools'
-        # close, one each.
-        worst = 13 * BOUND
+        # releases beside the last try of a statement under way (four bounds),
+        # the last finishes (two), the give-back of the buffer (three, with its
+        # wake), one lost claim's resolution (two), the worker row's removal
+        # (one); then the four pools' close, one each.
+        worst = 16 * BOUND
         with trio.fail_after(worst + 1.0):  # + slack for a loaded machine
             async with open_database(attrs.evolve(
                     _config_of(proxy), cleanup_timeout=BOUND)) as db:

@@ -130,8 +130,8 @@ class Completer:
                 log.error("%d start write(s) dropped: their batch was refused", len(starting))
                 starting.clear()
             statuses: dict[UUID, JobStatus | None] = {}
-            for finish in batch:
-                statuses.update(await self._finish_alone(finish))
+            for finish in batch:  # each under the same budget: a stop bounds them all
+                statuses.update(await self._finish_alone(finish, budget))
             return statuses, []
 
         statuses, claimed = await self.retry.final("finish", send_once, fallbacks=[one_by_one],
@@ -141,7 +141,8 @@ class Completer:
             self.state.stats.marked_building += len(starting)
         return claimed
 
-    async def _finish_alone(self, finish: Finish) -> dict[UUID, JobStatus | None]:
+    async def _finish_alone(self, finish: Finish,
+                            budget: Budget | None) -> dict[UUID, JobStatus | None]:
         """One finish of a refused batch, alone; refused again, given up (logged)."""
         job = finish.job
         refusal: list[BaseException] = []
@@ -164,7 +165,7 @@ class Completer:
             return {}
 
         try:
-            return await self.retry.final("finish", alone, fallbacks=[give_up])
+            return await self.retry.final("finish", alone, fallbacks=[give_up], budget=budget)
         except FinalWriteRefused as exc:
             log.error("job %s: could not record the outcome, nor discard it (%s); left for "
                       "the rescue once this worker stops", job.id,

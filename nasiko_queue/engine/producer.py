@@ -232,9 +232,9 @@ class Producer:
         try:
             with state.last_write() as budget:
                 await self.retry.final("lost claim", resolve, budget=budget)
-        except NotWithinTheStopsBound:
-            log.error("a claim whose answer was lost could not be resolved in time; "
-                      "its jobs wait for a rescue or the sweep")
+        except (FinalWriteRefused, NotWithinTheStopsBound) as exc:
+            log.error("a claim whose answer was lost could not be resolved (%s); its jobs "
+                      "wait for a rescue or the sweep", one_line(exc))
         finally:
             if landed:
                 state.stats.lost_claims += 1
@@ -289,7 +289,7 @@ class Producer:
             landed.append(await self.store.unclaim(jobs))
             return landed[-1]
 
-        failure = ""
+        failure = "a hard stop came first"
         try:
             with state.last_write() as budget:
                 await self.retry.final("give-back", unclaim, budget=budget)
@@ -298,10 +298,11 @@ class Producer:
         finally:
             if landed:
                 state.stats.returned += landed[-1]
-                log.info("gave back %d job(s) that never started (%s)", len(jobs), why)
+                log.info("gave back %d of %d job(s) that never started (%s)", landed[-1],
+                         len(jobs), why)
             else:
                 log.warning("%d unstarted job(s) could not be given back (%s); a rescue or "
-                            "the sweep will", len(jobs), failure or "stopped")
+                            "the sweep will", len(jobs), failure)
         state.notify()
 
     # -- winding down ------------------------------------------------------------

@@ -44,8 +44,9 @@ class Budget:
     wind-down's finishes) may begin another try: never while its lane runs,
     since no rescue takes a live worker's rows; once the lane closes, one
     `cleanup_timeout` more (`LaneState.last_write`). The try under way then is
-    let finish (it is bounded by the store), and no last try follows: a
-    retried write takes two bounds from the stop at most.
+    let finish (it is bounded by the store), and no try follows: a retried
+    write takes two bounds from the close at most (a hard stop's cancel, which
+    comes beside the close, still makes its one last try first).
     """
 
     give_up_at: float = math.inf
@@ -91,6 +92,8 @@ class RetryPolicy:
             with trio.CancelScope(shield=True):
                 try:
                     return await op()
+                except NotWithinTheStopsBound:
+                    raise  # a fallback's own retries ran out of the same budget
                 except Exception as exc:
                     failure: BaseException = exc
             if not is_transient(failure):
@@ -102,6 +105,9 @@ class RetryPolicy:
                               one_line(failure))
                     op, rejected = remaining.pop(0), 0
                     continue
+            if budget is not None and budget.spent():
+                raise NotWithinTheStopsBound(f"{what} update: not within the stop's bound "
+                                             f"({one_line(failure)})")
             log.warning("%s update failed (%s); retrying in %.2fs", what, one_line(failure),
                         delay, exc_info=failure)
             try:
@@ -112,7 +118,7 @@ class RetryPolicy:
                     try:
                         await trio.sleep_forever()
                     finally:
-                        if budget is not None:
+                        if budget is not None and budget.nap is nap:
                             budget.nap = None
             except trio.Cancelled:
                 with trio.CancelScope(shield=True):
