@@ -94,7 +94,10 @@ async def test_a_run_past_its_limit_keeps_a_timeout(db: Database) -> None:
         3, "timeout", "nasiko_queue.JobTimeout", "ran past its limit of 0.1s")
 
 
-async def test_kept_errors_go_with_retention(queue: Queue) -> None:
+async def test_kept_errors_go_with_their_job_not_before(queue: Queue) -> None:
+    """Retention deletes a job's kept errors once the job itself is gone, never
+    while the job is kept. It used to delete each error by its own age: a job
+    that failed today after a long life lost its first attempts' errors."""
     job = await enqueue_with_target(queue, "Upload", prior_success=True,
                                     env={"API_TOKEN": TOKEN})
     async with running(queue, executors_for_all(_refuse)) as worker:
@@ -102,8 +105,37 @@ async def test_kept_errors_go_with_retention(queue: Queue) -> None:
             await worker.wait_for(lambda s: s.failed >= 1)
     await queue.db.execute("UPDATE nasiko_queue_job_errors SET at = at - interval '2 days' "
                            "WHERE attempt < 3")
-    await prune(queue.db, timedelta(days=1))
-    assert [e.attempt for e in await job_errors(queue.db, job.job_id)] == [3]
+    assert await prune(queue.db, timedelta(days=1)) == 0
+    assert [e.attempt for e in await job_errors(queue.db, job.job_id)] == [1, 2, 3]
+    await queue.db.execute("UPDATE build_jobs SET completed_at = now() - interval '2 days' "
+                           "WHERE id = $1", job.job_id)
+    await queue.db.execute("UPDATE nasiko_queue_job_errors SET at = now() - interval '2 days'")
+    assert await prune(queue.db, timedelta(days=1)) == 1
+    assert await job_errors(queue.db, job.job_id) == []
+
+
+async def test_a_waiting_job_keeps_its_old_errors_through_retention(queue: Queue) -> None:
+    """A plain job waiting out a long backoff after a crash, its error older than
+    the retention: the job is alive, so its error (and an operator's action on
+    it) stays."""
+    from nasiko_queue.admin import jobs as job_admin
+
+    from .test_plain_jobs import Step
+
+    job_id = await queue.enqueue(Step(n=1))
+    await queue.db.execute(
+        "UPDATE nasiko_queue_jobs SET attempt = 1, run_at = now() + interval '1 hour' "
+        "WHERE id = $1", job_id)
+    await queue.db.execute(
+        "INSERT INTO nasiko_queue_job_errors (job_id, attempt, at, reason, error_type, "
+        "message, traceback) VALUES ($1, 1, now() - interval '31 days', 'crash', "
+        "'RuntimeError', 'boom', '')", job_id)
+    async with queue.db.transaction() as tx:
+        await job_admin.record(tx, job_id, "run now", "cli")
+    await queue.db.execute("UPDATE nasiko_queue_job_events SET at = now() - interval '31 days'")
+    await prune(queue.db, timedelta(days=30))
+    assert [e.attempt for e in await job_errors(queue.db, job_id)] == [1]
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_job_events") == 1
 
 
 def test_a_long_error_is_bounded_and_short_values_are_not_masked() -> None:

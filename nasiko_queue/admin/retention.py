@@ -52,9 +52,11 @@ def parse_duration(text: str) -> timedelta:
 async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZE) -> int:
     """
     Delete done/failed build jobs, and completed/discarded/cancelled plain jobs,
-    that ended more than `older_than` ago; return how many. Errors kept of
-    crashed attempts, copies of failed build jobs deleted with their target, and
-    operator actions recorded in the jobs' timelines, older than that go too.
+    that ended more than `older_than` ago; return how many. Copies of failed
+    build jobs deleted with their target, older than that, go too; so do the
+    errors kept of crashed attempts and the operator actions recorded in the
+    jobs' timelines, once older than that and their job is gone. A job kept
+    (waiting, running, or ended more recently) keeps all of its history.
 
     Loops over batches of at most `batch_size` rows, each its own statement (and
     transaction), until a batch comes back short. Ages are measured on the
@@ -66,12 +68,12 @@ async def prune(db: Database, older_than: timedelta, batch_size: int = BATCH_SIZ
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     total = 0
-    # Build jobs and plain jobs count; the errors kept of crashed attempts
-    # (0009), the copies of deleted failed build jobs (0010) and the operator
-    # actions of the jobs' timelines (0015) go at the same age.
+    # Build jobs and plain jobs count; the copies of deleted failed build jobs
+    # (0010) go at the same age; then the errors kept of crashed attempts (0009)
+    # and the operator actions of the jobs' timelines (0015) of the jobs gone.
     for statement, counted in ((Q.jobs_prune, True), (Q.plain_prune, True),
-                               (Q.job_errors_prune, False), (Q.job_events_prune, False),
-                               (Q.deleted_build_jobs_prune, False)):
+                               (Q.deleted_build_jobs_prune, False),
+                               (Q.job_errors_prune, False), (Q.job_events_prune, False)):
         while True:
             status = await db.execute(statement, older_than, batch_size)
             deleted = int(status.split()[-1])  # "DELETE <n>"

@@ -905,11 +905,20 @@ FROM build_jobs
 WHERE id = $1;
 
 -- name: job_errors_prune
--- Retention: errors kept longer than $1 (an interval), up to $2 at a time.
+-- Retention: errors kept longer than $1 (an interval) of jobs that are gone (a
+-- job row, or the kept copy of a failed build job deleted with its target, is
+-- pruned by its own age first), up to $2 at a time. A job still waiting or
+-- running, or ended within $1, keeps every error however old: its history is
+-- whole for as long as the job is kept.
 DELETE FROM nasiko_queue_job_errors
 WHERE id = ANY (ARRAY(
-    SELECT id FROM nasiko_queue_job_errors WHERE at < now() - $1::interval
-    ORDER BY at LIMIT $2));
+    SELECT e.id FROM nasiko_queue_job_errors AS e
+    WHERE e.at < now() - $1::interval
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_jobs AS j WHERE j.id = e.job_id)
+      AND NOT EXISTS (SELECT 1 FROM build_jobs AS b WHERE b.id = e.job_id)
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_deleted_build_jobs AS d
+                      WHERE d.id = e.job_id)
+    ORDER BY e.at LIMIT $2));
 
 -- ============================================================================
 -- Plain jobs (nasiko_queue_jobs, migration 0010): queues, priorities, schedules,
@@ -1781,12 +1790,17 @@ INSERT INTO nasiko_queue_job_events (job_id, action, actor, detail)
 VALUES ($1, $2, $3, $4);
 
 -- name: job_events_prune
--- Retention: operator actions recorded longer than $1 (an interval) ago, up to
--- $2 at a time (with the job errors, at the finished jobs' age).
+-- Retention: operator actions recorded longer than $1 (an interval) ago, of
+-- jobs that are gone, up to $2 at a time (as job_errors_prune).
 DELETE FROM nasiko_queue_job_events
 WHERE id = ANY (ARRAY(
-    SELECT id FROM nasiko_queue_job_events WHERE at < now() - $1::interval
-    ORDER BY at LIMIT $2));
+    SELECT e.id FROM nasiko_queue_job_events AS e
+    WHERE e.at < now() - $1::interval
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_jobs AS j WHERE j.id = e.job_id)
+      AND NOT EXISTS (SELECT 1 FROM build_jobs AS b WHERE b.id = e.job_id)
+      AND NOT EXISTS (SELECT 1 FROM nasiko_queue_deleted_build_jobs AS d
+                      WHERE d.id = e.job_id)
+    ORDER BY e.at LIMIT $2));
 
 -- name: job_events_of
 -- Every recorded operator action on job $1, oldest first.
