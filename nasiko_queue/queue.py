@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -30,7 +31,7 @@ from .builds.payloads import BUILTIN_PAYLOAD_TYPES, MAX_KIND_LENGTH, Payload, Pa
 from .config import QueueConfig
 from .db.database import Database, Transaction
 from .db.statements import Q
-from .errors import InvalidPayload, PayloadTooLarge, leaves
+from .errors import InvalidPayload, PayloadTooLarge, ResultTimeout, leaves
 from .payload_size import stored_size
 from .plain.args import Job, JobArgs, JobOptions, Unique
 from .plain.limits import PartitionMode, QueueLimit, Rate
@@ -376,8 +377,10 @@ class Queue:
             NoSuchRun: no run has this id.
             ResultTimeout: it had not ended within `timeout` seconds.
         """
-        async with self.results() as results:
-            return await results.wait_run(run_id, timeout=timeout, result_type=result_type)
+        with trio.move_on_after(math.inf if timeout is None else timeout):  # as `result`
+            async with self.results() as results:
+                return await results.wait_run(run_id, result_type=result_type)
+        raise ResultTimeout(f"run {run_id} had not ended after {timeout}s")
 
     async def cancel_run(self, run_id: UUID) -> str | None:
         """Cancel a running run: its waiting steps are cancelled, its running steps'
@@ -422,8 +425,12 @@ class Queue:
             NoSuchJob: no plain job has this id (or retention deleted it).
             ResultTimeout: it had not ended within `timeout` seconds (None: no limit).
         """
-        async with self.results() as results:
-            return await results.wait(job_id, timeout=timeout, result_type=result_type)
+        # The timeout covers the LISTEN connection's opening too: in an outage
+        # that alone can take `connect_timeout`.
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            async with self.results() as results:
+                return await results.wait(job_id, result_type=result_type)
+        raise ResultTimeout(f"job {job_id} had not ended after {timeout}s")
 
     def results(self) -> AbstractAsyncContextManager[Results]:
         """

@@ -16,7 +16,9 @@ slow network, a loaded server or a connection that hangs without a reset would.
   `marker` (say, a statement's text on its way to the server), instead of
   passing that chunk on: a connection lost between two statements, the server
   having answered the first and never seen the second.
-* `restore()` undoes the freezes and the delay.
+* `refuse()` closes every connection and each new one as soon as it comes (a
+  server restarting: refused, not hung).
+* `restore()` undoes the freezes, the delay and the refusal.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import trio
 class _Link:
     frozen: bool = False
     thawed: trio.Event = attrs.Factory(trio.Event)
+    #: The link's pumps: cancelled to close both ways (`refuse`).
+    scope: trio.CancelScope | None = None
 
 
 class Proxy:
@@ -43,6 +47,7 @@ class Proxy:
         self._links: set[_Link] = set()
         self._reply_delay = 0.0
         self._partitioned = False
+        self._refusing = False
         self._cut_marker: bytes | None = None
         #: Set when `cut_on` has closed a connection.
         self.cut = trio.Event()
@@ -65,6 +70,14 @@ class Proxy:
         self._partitioned = True
         self.freeze()
 
+    def refuse(self) -> None:
+        """The server is down (a restart): every link closes, and a new
+        connection is closed as soon as it is accepted, until `restore`."""
+        self._refusing = True
+        for link in self._links:
+            if link.scope is not None:
+                link.scope.cancel()
+
     def delay_replies(self, seconds: float) -> None:
         self._reply_delay = seconds
 
@@ -74,6 +87,7 @@ class Proxy:
     def restore(self) -> None:
         self._reply_delay = 0.0
         self._partitioned = False
+        self._refusing = False
         for link in self._links:
             link.frozen = False
             link.thawed.set()
@@ -88,6 +102,9 @@ class Proxy:
 
     async def _serve(self, client: trio.SocketStream) -> None:
         self.accepted += 1
+        if self._refusing:
+            await client.aclose()
+            return
         link = _Link(frozen=self._partitioned)
         self._links.add(link)
         try:
@@ -97,6 +114,7 @@ class Proxy:
             return
         try:
             async with client, server, trio.open_nursery() as nursery:
+                link.scope = nursery.cancel_scope
                 nursery.start_soon(self._pump, client, server, link, False, nursery.cancel_scope)
                 nursery.start_soon(self._pump, server, client, link, True, nursery.cancel_scope)
         finally:

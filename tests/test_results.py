@@ -323,3 +323,68 @@ def test_results_that_break_the_encoder_are_refused_not_crashed() -> None:
     with pytest.raises(ResultRefused, match="not JSON"):
         encode_result(deep, 10_000_000)
     assert encode_result("a\\u0000b", 100) is not None
+
+
+async def test_a_wait_reads_again_through_an_outage(dsn: str, queue: Queue) -> None:
+    """The server goes away (every connection closed, new ones refused) while a
+    caller waits: LISTEN is lost, and the wait's read fails. The wait goes on,
+    reads again at its next poll, and hears the job's end once the server is
+    back. It used to raise the read's connection error at once, ending a wait
+    the caller gave 60 s to."""
+    from nasiko_queue import DatabaseConfig, open_database
+
+    from .helpers import LogEvent
+    from .netproxy import Proxy
+
+    job_id = await queue.enqueue(Resize(n=1), delay=3600)  # no worker: it waits
+    proxy = Proxy(dsn)
+    config = attrs.evolve(FAST, poll_interval=0.05, retry_initial_delay=0.01,
+                          retry_max_delay=0.05)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as outer:
+            await outer.start(proxy.run)
+            async with open_database(DatabaseConfig(dsn=proxy.dsn(), connect_timeout=5)) as db, \
+                    Queue(db, config=config).results() as results, \
+                    trio.open_nursery() as nursery:
+                blocked = await waiting(results)
+                failed: list[JobFailed] = []
+
+                async def wait() -> None:
+                    with pytest.raises(JobFailed) as ended:
+                        await results.wait(job_id, timeout=TEST_DEADLINE)
+                    failed.append(ended.value)
+
+                with LogEvent(f"could not read {job_id}") as unread:
+                    nursery.start_soon(wait)
+                    await blocked.wait()
+                    proxy.refuse()
+                    await unread.event.wait()  # a read failed in the outage; still waiting
+                proxy.restore()
+                assert await queue.cancel(job_id) == "cancelled"
+            outer.cancel_scope.cancel()
+    assert [(e.state, e.error) for e in failed] == [("cancelled", "cancelled")]
+
+
+async def test_a_timeout_holds_while_the_listen_connection_cannot_open(
+    dsn: str, queue: Queue,
+) -> None:
+    """A network cut: nothing gets through and nothing is refused, so opening the
+    call's LISTEN connection waits for `connect_timeout` (two minutes here). The
+    caller's timeout of a tenth of a second covers that too. It used to start
+    only once LISTEN had opened or failed."""
+    from nasiko_queue import DatabaseConfig, open_database
+
+    from .netproxy import Proxy
+
+    job_id = await queue.enqueue(Resize(n=1), delay=3600)
+    proxy = Proxy(dsn)
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as outer:
+            await outer.start(proxy.run)
+            async with open_database(DatabaseConfig(dsn=proxy.dsn(),
+                                                    connect_timeout=120)) as db:
+                proxy.partition()
+                with pytest.raises(ResultTimeout):
+                    await Queue(db, config=FAST).result(job_id, timeout=0.1)
+                proxy.restore()
+            outer.cancel_scope.cancel()

@@ -14,7 +14,8 @@ reads the job's row; the trigger of migration 0017 sends one NOTIFY, the job's
 id, when a job somebody waits for ends, by whichever path. So a wait costs no
 polling while LISTEN is up; while it is down (an outage), waits read the row
 every `poll_interval` seconds, and every wait reads it again when LISTEN comes
-back, since what ended meanwhile notified nobody.
+back, since what ended meanwhile notified nobody. A read that fails for the
+outage is tried again at the next poll: only the caller's timeout ends a wait.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..db.database import Database
 from ..db.statements import Q
 from ..engine.contracts import JobResult
 from ..engine.retry import one_line
-from ..errors import JobFailed, NoSuchJob, NoSuchRun, ResultTimeout, RunFailed
+from ..errors import JobFailed, NoSuchJob, NoSuchRun, ResultTimeout, RunFailed, is_transient
 
 log = logging.getLogger("nasiko_queue.results")
 
@@ -184,14 +185,24 @@ class Results:
         try:
             while True:
                 armed = self.listening
-                if armed:
-                    recorded = True  # before the insert: removing a row not there is harmless
-                    row = await self._db.fetchrow(wait_and_read, job_id, waiter)
+                try:
+                    if armed:
+                        recorded = True  # before the insert: removing a row not there is
+                        row = await self._db.fetchrow(wait_and_read, job_id, waiter)  # harmless
+                    else:
+                        row = await self._db.fetchrow(read, job_id)
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
+                    # An outage: the wait goes on (only its timeout ends it), and
+                    # reads again at the next poll, or once LISTEN is back.
+                    log.warning("could not read %s (%s); reading again in %.1fs", job_id,
+                                one_line(exc), self._config.poll_interval)
+                    armed = False
                 else:
-                    row = await self._db.fetchrow(read, job_id)
-                ended, value = conclude(row)
-                if ended:
-                    return value
+                    ended, value = conclude(row)
+                    if ended:
+                        return value
                 if self.on_waiting is not None:
                     self.on_waiting(job_id)
                 if armed and self.listening:
