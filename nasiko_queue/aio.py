@@ -231,8 +231,15 @@ async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUI
             try:
                 row = await conn.fetchrow(Q.result_wait_and_read, job_id, waiter,
                                           timeout=RESULT_POLL)
-            except TimeoutError as exc:  # no answer: a peer gone without a word
-                raise _ListenerClosed from exc
+            except TimeoutError as exc:
+                # No answer: the read waits for the row's lock (a transaction
+                # that holds it, ending or cancelling the job), or the peer is
+                # gone without a word. A trivial query tells them apart.
+                try:
+                    await conn.fetchval(Q.health_ping, timeout=RESULT_POLL)
+                except TimeoutError:
+                    raise _ListenerClosed from exc
+                continue  # alive: read again (asyncpg cancelled the read)
             if row is None:
                 raise NoSuchJob(f"no plain job {job_id}")
             if row["state"] == "completed":

@@ -43,6 +43,7 @@ from nasiko_queue import (
     Unique,
     aio,
 )
+from nasiko_queue.db.statements import Q
 
 from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE
@@ -403,3 +404,44 @@ def test_a_result_wait_on_a_pool_closed_under_it_says_so(dsn: str) -> None:
                 await waiting
 
     run_asyncio(main())
+
+
+def test_a_result_wait_on_a_connection_outlasts_a_long_held_row_lock(
+    dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """
+    Another transaction holds the job's row (it cancels the job, then does slow
+    work before it commits) for longer than the wait's read may take
+    (`RESULT_POLL`). The read's timeout used to be taken for a peer gone without
+    a word: on a connection, `ConnectionError`, the caller's timeout not over
+    and the connection healthy. A trivial query now tells the two apart: the
+    connection answers, so the wait reads again, and ends with the cancel.
+    """
+    monkeypatch.setattr(aio, "RESULT_POLL", 0.2)
+
+    async def main(pool: asyncpg.Pool) -> None:
+        job_id = await aio.enqueue(pool, Resize(url="r"), delay=3600)
+        pinged = asyncio.Event()
+
+        def logged(record: Any) -> None:
+            if record.query == Q.health_ping:
+                pinged.set()
+
+        async with pool.acquire() as holder, pool.acquire() as own:
+            own.add_query_logger(logged)
+            async with holder.transaction():
+                assert await aio.cancel(holder, job_id) == "cancelled"
+                waiting = asyncio.create_task(aio.result(own, job_id, timeout=TEST_DEADLINE))
+                ping = asyncio.create_task(pinged.wait())
+                # A read timed out on the lock, and the connection answered: the
+                # wait goes on (before the fix, it ended with ConnectionError).
+                await asyncio.wait([ping, waiting], timeout=TEST_DEADLINE,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                assert ping.done()
+                assert not waiting.done(), waiting.exception()
+            with pytest.raises(nq.JobFailed) as failed:
+                async with asyncio.timeout(TEST_DEADLINE):
+                    await waiting
+            assert failed.value.state == "cancelled"
+
+    on_pool(dsn, main)
