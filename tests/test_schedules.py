@@ -118,6 +118,23 @@ def test_ticks_follow_the_time_zone_across_dst() -> None:
     assert berlin.last_tick(utc(2024, 10, 27, 1, 45)) == utc(2024, 10, 27, 0, 30)
 
 
+
+def test_the_latest_tick_is_always_one_the_forward_walk_has() -> None:
+    """Lord Howe moves its clocks by 30 minutes: on 7 April 2024 02:00 local
+    (+11) becomes 01:30 (+10:30). cronsim's reverse walk from 15:30 UTC yields
+    02:00+10:30, which the forward walk of "0 */2 * * *" skips (its ticks are
+    13:00 and 17:30 UTC). Taken as the latest tick, it was enqueued only when a
+    round happened to fall between 15:30 and 17:30, so replicas could disagree
+    (found by a fuzz of last_tick against the forward walk)."""
+    lord_howe = Schedule("lh", "0 */2 * * *", Report(), timezone="Australia/Lord_Howe")
+    forward = lord_howe.ticks(utc(2024, 4, 6, 9), 6)
+    assert utc(2024, 4, 6, 13) in forward
+    assert utc(2024, 4, 6, 15, 30) not in forward
+    for minute in range(0, 120, 7):
+        at = utc(2024, 4, 6, 15, 30) + timedelta(minutes=minute)
+        assert lord_howe.last_tick(at) == max(t for t in [*forward, utc(2024, 4, 6, 9)]
+                                              if t <= at), at
+
 def test_six_fields_tick_every_second() -> None:
     every_second = Schedule("s", "* * * * * *", Report())
     start = utc(2024, 5, 1, 12, 0, 0)

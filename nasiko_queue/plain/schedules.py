@@ -138,6 +138,24 @@ class Schedule:
 
     def last_tick(self, at: datetime) -> datetime | None:
         """The latest tick at or before `at` (aware), in UTC; None if there is none."""
+        found = self._latest(at)
+        if found is None:
+            return None
+        # The ticks are the forward walk's chain, each from the one before. The
+        # reverse walk may yield a time that chain skips (at Lord Howe's 30-minute
+        # change, 02:00+10:30 of "0 */2 * * *": the chain goes 00:00+11, then
+        # 04:00+10:30): such a tick would be enqueued only if a round happened to
+        # fall after it, and replicas could disagree. Step back to the chain.
+        before = self._latest(found - timedelta(seconds=1))
+        if before is not None and self.next_tick(before) != found:
+            found = before
+            while (following := self.next_tick(found)) <= at:
+                found = following
+        return found
+
+    def _latest(self, at: datetime) -> datetime | None:
+        """`last_tick` without the chain's check: the reverse walk, corrected by the
+        forward walk from the time it yields."""
         at = _aware(at)
         local = at.astimezone(self.zone)
         # cronsim's reverse walk yields ticks strictly before a whole second,
@@ -150,7 +168,7 @@ class Schedule:
         # The forward walk is the reference (it owns the DST rules): step to the
         # last forward tick not after `at`.
         while found > at:
-            earlier = self.last_tick(found - timedelta(seconds=1))
+            earlier = self._latest(found - timedelta(seconds=1))
             if earlier is None:
                 return None
             found = earlier
