@@ -409,6 +409,27 @@ async def test_a_listing_page_is_bounded(work_queue: Queue) -> None:
         assert r.status_code == 400
 
 
+
+async def test_a_value_the_database_refuses_is_a_400_not_a_500(work_queue: Queue) -> None:
+    """A NUL character in any text a page or an action sends to the database, a
+    number out of its range: PostgreSQL refuses them (SQLSTATE class 22), and
+    the error used to leave the app (a 500 from the server, a traceback in the
+    log), for anyone who could reach a page. Found by a bug hunt."""
+    app = dashboard_app(work_queue.db, token=TOKEN, config=work_queue.config)
+    async with await _client(app) as client:
+        csrf = await _login(client)
+        for url in ("/jobs?queue=%00", "/runs?workflow=%00", "/scheduled?queue=%00",
+                    "/search?kind=%00", "/confirm/discard-matching?queue=%00",
+                    "/search?args=" + str(httpx.QueryParams({"a": '{"a": "\\u0000"}'}))[2:]):
+            r = await client.get(url)
+            assert r.status_code == 400, (url, r.status_code)
+            assert "the database refused a value" in r.text, url
+        for action in ("pause", "limit-clear", "retry-matching"):
+            r = await client.post(f"/actions/{action}", data={"csrf": csrf, "queue": "a\x00"})
+            assert r.status_code == 400, (action, r.status_code)
+        r = await client.get("/jobs?state=any")
+        assert r.status_code == 200  # the dashboard goes on
+
 async def test_bulk_discard_needs_its_confirmation_which_gives_the_count(
     work_queue: Queue,
 ) -> None:

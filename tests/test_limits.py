@@ -7,6 +7,7 @@ letter). The process tests with 4 replicas are in test_limit_processes.py.
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any, ClassVar
 from uuid import UUID
@@ -334,13 +335,23 @@ async def test_a_paused_limited_queue_claims_nothing(queue: Queue) -> None:
 
 
 async def test_limits_are_checked(queue: Queue) -> None:
-    with pytest.raises(ValueError, match="concurrency must be at least 1"):
+    with pytest.raises(ValueError, match="concurrency must be a whole number from 1"):
         await queue.set_limit("api", concurrency=0)
+    # What the table cannot hold is refused here, not by the database (a bug
+    # hunt found the dashboard's form sending them on: an int32 overflow, an
+    # interval out of range, a period rounded to nothing).
+    with pytest.raises(ValueError, match="concurrency must be a whole number from 1"):
+        await queue.set_limit("api", concurrency=2**31)
+    for per in (math.inf, 1e-300, math.nan, 0.0):
+        with pytest.raises(ValueError, match=r"per must be from 0\.001 s to 100 years"):
+            Rate(1, per=per)
+    with pytest.raises(ValueError, match="limit must be a whole number from 1"):
+        Rate(2**31, per=1.0)
     with pytest.raises(ValueError, match="a partition mode needs partition_by"):
         await queue.set_limit("api", partition_mode="serial")
     with pytest.raises(ValueError, match="not 'builds'"):
         await queue.set_limit("builds", concurrency=1)
-    with pytest.raises(ValueError, match="limit must be positive"):
+    with pytest.raises(ValueError, match="limit must be a whole number from 1"):
         Rate(0, per=1.0)
     assert await queue.limits() == []
 

@@ -49,17 +49,32 @@ class PartitionMode(enum.StrEnum):
     SERIAL = "serial"
 
 
-def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value!r}")
+#: What the limits table holds (PostgreSQL's integer), and the span of a rate's
+#: window: a millisecond (an interval keeps microseconds; a shorter one is 0)
+#: to a hundred years (an infinite one overflows the interval).
+MAX_COUNT = 2**31 - 1
+MIN_PERIOD = 0.001
+MAX_PERIOD = 100 * 365.25 * 24 * 3600
+
+
+def _count(_inst: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and not 1 <= value <= MAX_COUNT:
+        raise ValueError(f"{attribute.name} must be a whole number from 1 to {MAX_COUNT}, "
+                         f"got {value!r}")
+
+
+def _period(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not MIN_PERIOD <= value <= MAX_PERIOD:  # NaN fails too
+        raise ValueError(f"{attribute.name} must be from {MIN_PERIOD} s to 100 years, "
+                         f"got {value!r}")
 
 
 @attrs.frozen
 class Rate:
     """At most `limit` starts per `per` seconds: ``Rate(10, per=60.0)``."""
 
-    limit: int = attrs.field(validator=_positive)
-    per: float = attrs.field(kw_only=True, converter=float, validator=_positive)
+    limit: int = attrs.field(validator=_count)
+    per: float = attrs.field(kw_only=True, converter=float, validator=_period)
 
 
 def _mode(value: PartitionMode | str) -> PartitionMode:
@@ -83,7 +98,7 @@ class QueueLimit:
     """
 
     queue: str
-    concurrency: int | None = None
+    concurrency: int | None = attrs.field(default=None, validator=_count)
     rate: Rate | None = None
     partition_by: str | None = None
     partition_mode: PartitionMode = attrs.field(default=PartitionMode.NONE, converter=_mode)
@@ -92,8 +107,6 @@ class QueueLimit:
     window_starts: int = 0
 
     def __attrs_post_init__(self) -> None:
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.partition_mode is not PartitionMode.NONE and self.partition_by is None:
             raise ValueError("a partition mode needs partition_by (the job arg to key on)")
         if self.partition_by == "":

@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra onl
         "the dashboard needs the [http] extra: pip install 'nasiko-queue[http]' "
         f"({exc})") from exc
 
+import asyncpg
 import attrs
 
 from ..admin import jobs as job_admin
@@ -463,7 +464,20 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     return Starlette(routes=routes,
-                     middleware=[Middleware(HostCheck, allowed=tuple(allowed_hosts))])
+                     middleware=[Middleware(HostCheck, allowed=tuple(allowed_hosts))],
+                     exception_handlers={asyncpg.DataError: _refused_value})
+
+
+async def _refused_value(_request: Request, exc: Exception) -> Response:
+    """
+    A value from a query or a form that PostgreSQL refuses to hold (SQLSTATE
+    class 22: a NUL character, a number or an interval out of range): the
+    caller's input, answered with 400 and the server's reason, not a 500 and a
+    traceback in the log. One handler for every page and action, since any
+    text field can carry such a value to any statement.
+    """
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return PlainTextResponse(f"the database refused a value given: {first}", 400)
 
 
 def page_limit(value: str | None, default: int = job_admin.DEFAULT_LIMIT) -> int:
