@@ -388,3 +388,27 @@ async def test_a_timeout_holds_while_the_listen_connection_cannot_open(
                     await Queue(db, config=FAST).result(job_id, timeout=0.1)
                 proxy.restore()
             outer.cancel_scope.cancel()
+
+
+async def test_no_wait_is_recorded_for_a_job_that_is_not_there_or_has_ended(
+    queue: Queue,
+) -> None:
+    """A wait's row is removed by the job's end (its trigger), or by the waiter
+    when it stops waiting; a removal that fails (an outage, a cancel) leaves it
+    to the job's end. For an id no job has, or a job already ended, no end will
+    come: the row stayed for good (found by a bug hunt). The read records none
+    then; for a waiting job it records one, as before."""
+    from nasiko_queue.db.statements import Q
+
+    waits = "SELECT count(*) FROM nasiko_queue_result_waits"
+    assert await queue.db.fetchrow(Q.result_wait_and_read, uuid4(), uuid4()) is None
+    assert await queue.db.fetchrow(Q.workflow_result_wait_and_read, uuid4(), uuid4()) is None
+    ended = await queue.enqueue(Resize(n=1))
+    assert await queue.cancel(ended) == "cancelled"
+    row = await queue.db.fetchrow(Q.result_wait_and_read, ended, uuid4())
+    assert row["state"] == "cancelled"
+    assert await queue.db.fetchval(waits) == 0
+    waiting = await queue.enqueue(Resize(n=2), delay=3600)
+    assert (await queue.db.fetchrow(Q.result_wait_and_read, waiting, uuid4()))["state"] \
+        == "available"
+    assert await queue.db.fetchval(waits) == 1

@@ -1364,8 +1364,14 @@ SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id 
 -- Waiter $2 waits for job $1, then reads it as `plain_result`, FOR SHARE: a run's
 -- end whose trigger ran before this wait existed still holds the row, so the read
 -- waits for its commit and sees the end (the trigger could not have notified).
+-- The wait is recorded only for a job that has not ended (as this statement's
+-- snapshot sees it: an end in flight is waited for by the read): a wait for no
+-- job, or for one already ended, would be removed by nothing but its waiter.
 WITH waits AS (
-    INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
+    INSERT INTO nasiko_queue_result_waits (job_id, waiter)
+    SELECT $1, $2 WHERE EXISTS (
+        SELECT 1 FROM nasiko_queue_jobs
+        WHERE id = $1 AND state NOT IN ('completed', 'discarded', 'cancelled'))
     ON CONFLICT DO NOTHING
 )
 SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id = $1
@@ -2050,7 +2056,10 @@ FROM nasiko_queue_workflow_runs WHERE id = $1;
 -- Waiter $2 waits for run $1, then reads it as `workflow_result`, FOR SHARE (as
 -- `result_wait_and_read`: a run's end in flight is waited for, not missed).
 WITH waits AS (
-    INSERT INTO nasiko_queue_result_waits (job_id, waiter) VALUES ($1, $2)
+    INSERT INTO nasiko_queue_result_waits (job_id, waiter)
+    SELECT $1, $2 WHERE EXISTS (
+        SELECT 1 FROM nasiko_queue_workflow_runs
+        WHERE id = $1 AND state NOT IN ('completed', 'failed', 'cancelled'))
     ON CONFLICT DO NOTHING
 )
 SELECT state, result::text AS result, failed_step, error
