@@ -191,6 +191,38 @@ async def test_each_tick_is_enqueued_once(queue: Queue) -> None:
     assert await last_tick(queue.db, "minutely") == at(3)
 
 
+
+async def test_a_tick_is_enqueued_when_another_first_sight_wins_the_race_behind_it(
+    queue: Queue,
+) -> None:
+    """
+    Two schedulers see a new schedule at once. The other one, its clock a
+    minute behind, inserts the schedule's row at tick 12:00 and has not
+    committed; ours finds no row to advance and tries its own first sight at
+    12:01, which waits on the other's insert and, once that commits, inserts
+    nothing. Ours then advances from the row it now sees and enqueues 12:01.
+    It used to give up ("another scheduler has it") and remember 12:01 as
+    known: the tick was the other scheduler's alone, and lost if it stopped.
+    """
+    from .test_cancel_race import _blocked_by
+
+    scheduler = Scheduler(queue, [EVERY_MINUTE])
+    rounds: list[SchedulerRound] = []
+    async def ours() -> None:
+        rounds.append(await scheduler.run_once(at(1)))
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery, queue.db.transaction() as other:
+            await other.execute("INSERT INTO nasiko_queue_schedules (name, last_tick) "
+                                "VALUES ('minutely', $1)", at(0))
+            pid = await other.fetchval("SELECT pg_backend_pid()")
+            nursery.start_soon(ours)
+            await _blocked_by(queue.db, pid)  # our first sight waits on the insert
+            # the other transaction has committed: ours goes on
+    assert [[t.at for t in r.enqueued] for r in rounds] == [[at(1)]]
+    assert await last_tick(queue.db, "minutely") == at(1)
+    assert await run_at_values(queue.db) == [at(1)]
+
 async def test_a_scheduler_whose_clock_lags_enqueues_nothing(queue: Queue) -> None:
     await Scheduler(queue, [EVERY_MINUTE]).run_once(T0)
     await Scheduler(queue, [EVERY_MINUTE]).run_once(at(5))

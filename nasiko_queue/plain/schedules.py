@@ -308,7 +308,14 @@ class Scheduler:
                     log.info("schedule %s: first seen; from tick %s on, each tick is enqueued",
                              schedule.name, tick.isoformat())
                     return "recorded"
-                return None  # another scheduler has it (or a later tick)
+                # The row is there: it was already, at this tick or past it (another
+                # scheduler has the tick), or another scheduler's first sight
+                # inserted it meanwhile, maybe at an earlier tick (its clock
+                # behind ours). Advance from it, as from any row: else this tick
+                # waited for that scheduler alone, and was lost if it stopped.
+                moved = await tx.fetchrow(Q.schedule_advance, schedule.name, tick)
+                if moved is None:
+                    return None  # another scheduler has it (or a later tick)
             if moved["paused_at"] is not None:
                 log.info("schedule %s: tick %s skipped (the schedule is paused)",
                          schedule.name, tick.isoformat())
