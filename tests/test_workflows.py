@@ -660,6 +660,63 @@ def test_definitions_refuse_what_the_rules_cannot_run() -> None:
         wf.child("me", wf)
     with pytest.raises(ValueError, match="no steps"):
         Workflow("empty").definition(None)
+    # Its steps' kinds would be the queue's own: a step named signal_timeout took
+    # over the signal timers, and signals never timed out (found by a bug hunt).
+    with pytest.raises(ValueError, match="the queue's own"):
+        Workflow("nasiko_queue")
+
+
+def _mapped_then_not(version: int, seen: list[tuple[Any, Any]]) -> Workflow:
+    """Deploy 1 maps step b over a's list; deploy 2 makes b a plain step."""
+    wf = Workflow("reshaped")
+
+    @wf.step()
+    async def a(ctx: StepContext) -> list[str]:
+        return ["x", "y", "z"]
+
+    async def b(ctx: StepContext) -> str:
+        seen.append((ctx.item, ctx.index))
+        return f"v{version} {ctx.item} {ctx.index}"
+
+    b_step = (wf.step(map_over=a, queue="later")(b) if version == 1
+              else wf.step(after=[a], queue="later")(b))
+
+    @wf.step(after=[b_step])
+    async def c(ctx: StepContext) -> Any:
+        return ctx.results["b"]
+
+    return wf
+
+
+async def test_a_deploy_that_changes_a_step_never_reshapes_a_run_in_flight(
+    queue: Queue,
+) -> None:
+    """
+    A run of deploy 1 has enqueued step b's three items (b maps over a's list)
+    when deploy 2, in which b is a plain step, takes over. Each item still runs
+    as an item of the run's own definition. The executor used to ask the new
+    code whether b is mapped: each item ran with no item and no index.
+    """
+    seen: list[tuple[Any, Any]] = []
+    first = Executors()
+    v1 = _mapped_then_not(1, seen)
+    first.register_workflow(v1)
+    run_id = await queue.start(v1, None)
+    only_workflows = Queue(queue.db, config=attrs.evolve(queue.config,
+                                                         queues={"workflows": 1}))
+    async with running(only_workflows, first) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.drain_once()  # a ran; b's items wait in queue "later"
+    assert await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_workflow_steps WHERE run_id = $1 AND step = 'b' "
+        "AND idx >= 0 AND state = 'enqueued'", run_id) == 3
+    second = Executors()
+    second.register_workflow(_mapped_then_not(2, seen))
+    async with running(queue, second):
+        with trio.fail_after(TEST_DEADLINE):
+            result = await queue.run_result(run_id, timeout=TEST_DEADLINE)
+    assert sorted(seen) == [("x", 0), ("y", 1), ("z", 2)]
+    assert result == ["v2 x 0", "v2 y 1", "v2 z 2"]
 
 
 @pytest.mark.parametrize(("make", "what"), [

@@ -2014,7 +2014,9 @@ SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
 -- run's state, whether this job is still the step's live job, the run's input,
 -- the step's dependencies' results (an object by step name; a mapped step's
 -- results are the list of its items' results, in item order), and for a mapped
--- step's item, its item of the list it maps over. JSON as text.
+-- step's item, its item of the list it maps over; whether the step is mapped,
+-- by the run's own definition (a deploy that changes the step never reshapes a
+-- run in flight). JSON as text.
 WITH d AS (
     SELECT r.id, r.state, r.input, nasiko_queue_wf_step_def(r.definition, $2) AS sdef
     FROM nasiko_queue_workflow_runs AS r WHERE r.id = $1
@@ -2029,7 +2031,8 @@ SELECT d.state,
            AS results,
        CASE WHEN d.sdef ->> 'map_over' IS NOT NULL
             THEN (nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
-       END AS item
+       END AS item,
+       d.sdef ->> 'map_over' IS NOT NULL AS mapped
 FROM d;
 
 -- name: workflow_get

@@ -32,6 +32,9 @@ __all__ = ["Step", "StepArgs", "StepContext", "Workflow"]
 
 #: The step kinds the SQL rules know.
 STEP_KINDS: Final = frozenset({"job", "signal", "child"})
+#: A name no workflow may take: the prefix of the queue's own job kinds.
+RESERVED_NAME = "nasiko_queue"
+
 #: The queue a workflow's steps go to unless it or the step names another.
 DEFAULT_WORKFLOW_QUEUE: Final = "workflows"
 #: The longest a step's `delay` or a signal's `timeout` may be: 100 years, well
@@ -146,6 +149,10 @@ class Workflow:
         if not isinstance(name, str) or not name or "." in name or len(name) > 100:
             raise ValueError(f"a workflow's name is 1 to 100 characters without '.', "
                              f"got {name!r}")
+        if name == RESERVED_NAME:
+            # Its steps' kinds would be the queue's own (`nasiko_queue.signal_timeout`,
+            # `nasiko_queue.start_workflow`): a step could take over the signal timers.
+            raise ValueError(f"the workflow name {RESERVED_NAME!r} is the queue's own")
         _queue_name(None, None, queue)  # type: ignore[arg-type]
         self.name = name
         self.input_type = input_type

@@ -81,7 +81,7 @@ def step_executor(wf: Workflow, step: Step) -> Any:
         raw_input = _loads(row["input"])
         value = (raw_input if wf.input_type is None or raw_input is None
                  else converter.structure(raw_input, wf.input_type))
-        mapped = step.map_over is not None
+        mapped = bool(row["mapped"])  # the run's definition, not this deploy's
         sctx = StepContext(run_id=run_id, step=args.step, input=value,
                            results=_loads(row["results"]) or {},
                            item=_loads(row["item"]) if mapped else None,
