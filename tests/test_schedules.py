@@ -270,6 +270,63 @@ async def test_catch_up_enqueues_the_latest_missed_tick_once(queue: Queue) -> No
     assert await run_at_values(queue.db) == [at(180), at(181)]
 
 
+HOURLY = Schedule("minutely", "0 * * * *", Report())
+EVERY_FIVE = Schedule("minutely", "*/5 * * * *", Report())
+
+
+async def test_a_changed_expression_replays_no_tick_from_before_the_change(
+    queue: Queue,
+) -> None:
+    """
+    A deploy changes an hourly schedule to every five minutes at 12:32. The
+    stored tick, 12:00, was the hourly expression's; 12:30 of the new one was
+    never missed (it only came before the change). It used to count as missed
+    and be caught up at once: a run at 12:32 nobody scheduled. It is recorded,
+    as a new schedule's first tick is, and 12:35 runs on time.
+    """
+    await Scheduler(queue, [HOURLY]).run_once(T0)
+    deployed = Scheduler(queue, [EVERY_FIVE])
+    assert await deployed.run_once(at(32)) == SchedulerRound(recorded=("minutely",))
+    assert await cron_jobs(queue.db) == []
+    assert await last_tick(queue.db, "minutely") == at(30)
+    result = await deployed.run_once(at(35) + timedelta(seconds=2))
+    assert [t.at for t in result.enqueued] == [at(35)]
+    # Later outages are caught up as ever, under the new expression.
+    result = await Scheduler(queue, [EVERY_FIVE]).run_once(at(200))
+    assert [t.at for t in result.enqueued] == [at(200)]
+    assert await run_at_values(queue.db) == [at(35), at(200)]
+
+
+async def test_a_changed_expressions_tick_reached_on_time_is_enqueued(queue: Queue) -> None:
+    await Scheduler(queue, [HOURLY]).run_once(T0)
+    result = await Scheduler(queue, [EVERY_FIVE]).run_once(at(30) + timedelta(seconds=10))
+    assert [t.at for t in result.enqueued] == [at(30)]
+    rows = await queue.db.fetch("SELECT cron, timezone FROM nasiko_queue_schedules")
+    assert [tuple(r) for r in rows] == [("*/5 * * * *", "UTC")]
+
+
+async def test_a_changed_time_zone_replays_no_tick_from_before_the_change(queue: Queue) -> None:
+    noon_utc = Schedule("noon", "0 12 * * *", Report())
+    await Scheduler(queue, [noon_utc]).run_once(T0)  # 12:00 UTC recorded
+    # Noon in New York is 16:00 UTC: at 16:05 UTC, after the deploy, it has passed.
+    noon_ny = attrs.evolve(noon_utc, timezone="America/New_York")
+    result = await Scheduler(queue, [noon_ny]).run_once(at(4 * 60 + 5))
+    assert result == SchedulerRound(recorded=("noon",))
+    assert await cron_jobs(queue.db) == []
+    assert await last_tick(queue.db, "noon") == at(4 * 60)
+
+
+async def test_a_row_from_before_the_expression_was_stored_catches_up_as_before(
+    queue: Queue,
+) -> None:
+    await queue.db.execute("INSERT INTO nasiko_queue_schedules (name, last_tick) "
+                           "VALUES ('minutely', $1)", at(0))
+    result = await Scheduler(queue, [EVERY_MINUTE]).run_once(at(180.5))
+    assert [t.at for t in result.enqueued] == [at(180)]
+    rows = await queue.db.fetch("SELECT cron, timezone FROM nasiko_queue_schedules")
+    assert [tuple(r) for r in rows] == [("* * * * *", "UTC")]
+
+
 async def test_without_catch_up_missed_ticks_are_skipped(queue: Queue) -> None:
     no_catch_up = attrs.evolve(EVERY_MINUTE, catch_up=False)
     config = SchedulerConfig(grace=10.0)

@@ -1573,29 +1573,40 @@ DELETE FROM nasiko_queue_job_errors WHERE job_id = $1;
 -- Cron schedules (nasiko_queue_schedules, migration 0010).
 
 -- name: schedule_advance
--- Move schedule $1's last tick forward to $2, if it is behind it; returns a row
--- only then. The one transaction that moves it enqueues that tick's job (in the
--- same transaction), so each tick is enqueued once: a concurrent scheduler
--- waits for the row lock, re-reads the committed row, finds last_tick = $2,
--- and updates nothing. A scheduler whose clock lags moves nothing either.
--- A paused schedule's tick is moved over all the same (paused_at set: the
--- caller enqueues nothing), so that a resume does not replay the pause.
-UPDATE nasiko_queue_schedules SET last_tick = $2, updated_at = now()
-WHERE name = $1 AND last_tick < $2
-RETURNING last_tick, paused_at;
+-- Move schedule $1's last tick forward to $2, if it is behind it, and record
+-- the expression $3 and zone $4 that tick belongs to; returns a row only then,
+-- with `changed` true when the row held another expression or zone (a deploy
+-- changed the schedule: a late tick is then recorded, not caught up). The one
+-- transaction that moves it enqueues that tick's job (in the same
+-- transaction), so each tick is enqueued once: a concurrent scheduler waits
+-- for the row lock (`old`'s FOR UPDATE, which then reads the committed row),
+-- finds last_tick = $2, and updates nothing. A scheduler whose clock lags
+-- moves nothing either. A paused schedule's tick is moved over all the same
+-- (paused_at set: the caller enqueues nothing), so that a resume does not
+-- replay the pause. NULL columns (rows from before 0029) count as unchanged.
+WITH old AS (SELECT name, cron, timezone FROM nasiko_queue_schedules WHERE name = $1 FOR UPDATE)
+UPDATE nasiko_queue_schedules s SET last_tick = $2, cron = $3, timezone = $4,
+       updated_at = now()
+FROM old
+WHERE s.name = old.name AND s.last_tick < $2
+RETURNING s.last_tick, s.paused_at,
+          (old.cron IS NOT NULL AND (old.cron, old.timezone) IS DISTINCT FROM ($3, $4))
+              AS changed;
 
 -- name: schedule_first_sight
--- Record schedule $1 at tick $2 the first time any scheduler sees it; returns
--- a row only to the one that inserted it. Run when `schedule_advance` moved
--- nothing: no row yet, or a row already at or past $2. Schedulers racing on a
--- new schedule wait on the same key; one inserts, the others insert nothing.
-INSERT INTO nasiko_queue_schedules (name, last_tick) VALUES ($1, $2)
+-- Record schedule $1 at tick $2 of expression $3 in zone $4 the first time any
+-- scheduler sees it; returns a row only to the one that inserted it. Run when
+-- `schedule_advance` moved nothing: no row yet, or a row already at or past
+-- $2. Schedulers racing on a new schedule wait on the same key; one inserts,
+-- the others insert nothing.
+INSERT INTO nasiko_queue_schedules (name, last_tick, cron, timezone) VALUES ($1, $2, $3, $4)
 ON CONFLICT (name) DO NOTHING
 RETURNING last_tick;
 
 -- name: schedule_list
 -- Every schedule's last tick enqueued (or recorded), for tools and tests.
-SELECT name, last_tick, updated_at, paused_at FROM nasiko_queue_schedules ORDER BY name;
+SELECT name, last_tick, updated_at, paused_at, cron, timezone FROM nasiko_queue_schedules
+ORDER BY name;
 
 
 -- ============================================================================

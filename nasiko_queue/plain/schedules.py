@@ -22,7 +22,10 @@ enqueues nothing (no history is replayed). A tick is *on time* when the
 scheduler reaches it within `SchedulerConfig.grace` seconds. One reached later
 (every replica was down, or the database was) is a missed tick: with
 `Schedule.catch_up` (the default) the most recent missed tick is enqueued once,
-however many were missed; without it, missed ticks are skipped.
+however many were missed; without it, missed ticks are skipped. The row keeps
+the expression and zone its tick belongs to: after a deploy changes them, a
+late tick is recorded as a first sight's is (it was not missed; it only came
+before the change), and an on-time one is enqueued.
 """
 
 from __future__ import annotations
@@ -224,7 +227,8 @@ class SchedulerRound:
 
     #: Ticks this scheduler enqueued.
     enqueued: tuple[Tick, ...] = ()
-    #: Schedules seen for the first time: their current tick recorded, nothing enqueued.
+    #: Schedules seen for the first time, or for the first time since their
+    #: expression or zone changed: their current tick recorded, nothing enqueued.
     recorded: tuple[str, ...] = ()
     #: Schedules moved past missed ticks without enqueuing (catch_up off).
     skipped: tuple[str, ...] = ()
@@ -302,9 +306,10 @@ class Scheduler:
         """Move `schedule` to `tick` and enqueue it, in one transaction."""
         late = (now - tick).total_seconds() > self.config.grace
         async with self.queue.db.transaction() as tx:
-            moved = await tx.fetchrow(Q.schedule_advance, schedule.name, tick)
+            spec = (schedule.name, tick, schedule.cron, schedule.timezone)
+            moved = await tx.fetchrow(Q.schedule_advance, *spec)
             if moved is None:
-                if await tx.fetchval(Q.schedule_first_sight, schedule.name, tick) is not None:
+                if await tx.fetchval(Q.schedule_first_sight, *spec) is not None:
                     log.info("schedule %s: first seen; from tick %s on, each tick is enqueued",
                              schedule.name, tick.isoformat())
                     return "recorded"
@@ -313,13 +318,21 @@ class Scheduler:
                 # inserted it meanwhile, maybe at an earlier tick (its clock
                 # behind ours). Advance from it, as from any row: else this tick
                 # waited for that scheduler alone, and was lost if it stopped.
-                moved = await tx.fetchrow(Q.schedule_advance, schedule.name, tick)
+                moved = await tx.fetchrow(Q.schedule_advance, *spec)
                 if moved is None:
                     return None  # another scheduler has it (or a later tick)
             if moved["paused_at"] is not None:
                 log.info("schedule %s: tick %s skipped (the schedule is paused)",
                          schedule.name, tick.isoformat())
                 return "skipped"
+            if late and moved["changed"]:
+                # The stored tick was the old expression's (or zone's): this one
+                # was never missed, it only precedes the change. Start afresh
+                # from it, as a new schedule does.
+                log.info("schedule %s: its expression or time zone changed; from tick %s on, "
+                         "each tick of %r (%s) is enqueued", schedule.name, tick.isoformat(),
+                         schedule.cron, schedule.timezone)
+                return "recorded"
             if late and not schedule.catch_up:
                 log.info("schedule %s: missed tick %s skipped (catch_up is off)",
                          schedule.name, tick.isoformat())
