@@ -666,6 +666,46 @@ def test_definitions_refuse_what_the_rules_cannot_run() -> None:
         Workflow("nasiko_queue")
 
 
+def _translator(language: str) -> Workflow:
+    wf = Workflow("translate")
+
+    @wf.step()
+    async def word(ctx: StepContext) -> str:
+        return language
+
+    return wf
+
+
+def test_two_child_workflows_of_one_name_are_refused() -> None:
+    """
+    A run keeps one definition per child workflow name, and a worker registers
+    one executor set per name: two different child workflows named alike made
+    one child step silently run the other's steps (the English child ran the
+    French workflow), and a child named as its parent lost its definition.
+    Both are refused when the parent is registered or started.
+    """
+    parent = Workflow("multilingual")
+    parent.child("english", _translator("english"))
+    parent.child("french", _translator("french"))
+    with pytest.raises(ValueError, match="two different workflows named 'translate'"):
+        Executors().register_workflow(parent)
+    with pytest.raises(ValueError, match="two different workflows named 'translate'"):
+        parent.definition(None)
+
+    outer = Workflow("translate")
+    outer.child("inner", _translator("any"))
+    with pytest.raises(ValueError, match="two different workflows named 'translate'"):
+        outer.children()
+    # The same workflow object twice, at any depth, is one child workflow.
+    shared = _translator("shared")
+    twice = Workflow("twice")
+    twice.child("one", shared)
+    middle = Workflow("middle")
+    middle.child("deep", shared)
+    twice.child("two", middle)
+    assert twice.children() == {"translate": shared, "middle": middle}
+
+
 def _mapped_then_not(version: int, seen: list[tuple[Any, Any]]) -> Workflow:
     """Deploy 1 maps step b over a's list; deploy 2 makes b a plain step."""
     wf = Workflow("reshaped")

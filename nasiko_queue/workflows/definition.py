@@ -268,13 +268,24 @@ class Workflow:
         return step
 
     def children(self) -> dict[str, Workflow]:
-        """Every workflow its child steps start, and theirs, by name."""
+        """
+        Every workflow its child steps start, and theirs, by name.
+
+        Raises:
+            ValueError: two different workflows of one name among them (or one
+                named as this one): a run keeps one definition a name, so one of
+                them would run the other's steps.
+        """
         found: dict[str, Workflow] = {}
         todo = [s.child for s in self.steps.values() if s.child is not None]
         while todo:
             wf = todo.pop()
-            if wf.name in found or wf.name == self.name:
+            seen = self if wf.name == self.name else found.get(wf.name)
+            if seen is wf:
                 continue
+            if seen is not None:
+                raise ValueError(f"{self.name}: two different workflows named {wf.name!r} "
+                                 "among it and its child workflows; give each its own name")
             found[wf.name] = wf
             todo.extend(s.child for s in wf.steps.values() if s.child is not None)
         return found
