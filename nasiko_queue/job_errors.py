@@ -6,17 +6,20 @@ code reads them); the exception itself is kept here so that a failed job can be
 understood: its type, its message and a bounded traceback, for every crashed or
 timed-out attempt, with the worker that ran it. Secret values of the payload
 (its `Secret` fields, such as `env`) are masked in the message and the
-traceback before anything is stored or returned: an executor that puts a token
-in an exception message does not write it to the database.
+traceback before anything is stored or returned, as written and in their usual
+escaped forms (`secret_forms`): an executor that puts a token in an exception
+message does not write it to the database.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import traceback as tb
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote, quote_plus
 from uuid import UUID
 
 import attrs
@@ -106,6 +109,20 @@ def secret_values(payload: object) -> list[str]:
     return found
 
 
+def secret_forms(secret: str) -> set[str]:
+    """
+    The ways `secret` can appear in an exception's text: as it is, and as the
+    usual escapes write it: `repr` or `ascii` (an f-string's ``{token!r}``, a
+    container's repr), JSON (a request body in an HTTP error) and URL encoding
+    (a query string). An executor that wrote ``{token!r}`` of a value holding a
+    quote or a backslash left its escaped form in plain sight.
+    """
+    forms = {secret, repr(secret)[1:-1], ascii(secret)[1:-1], repr(secret.encode())[2:-1],
+             json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1],
+             quote(secret, safe=""), quote_plus(secret)}
+    return {form for form in forms if form}
+
+
 def describe(exc: BaseException, *, attempt: int, reason: str,
              secrets: Iterable[str] = ()) -> JobError:
     """
@@ -114,7 +131,8 @@ def describe(exc: BaseException, *, attempt: int, reason: str,
     """
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    masked = sorted((s for s in set(secrets) if len(s) >= MIN_MASKED), key=len, reverse=True)
+    masked = sorted({form for s in secrets for form in secret_forms(s) if len(form) >= MIN_MASKED},
+                    key=len, reverse=True)
 
     def mask(text: str) -> str:
         for secret in masked:

@@ -26,7 +26,7 @@ import attrs
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .errors import ConfigurationError, SecretDecryptError
+from .errors import ConfigurationError, InvalidPayload, SecretDecryptError
 
 #: Length of the master key and of every derived key, in bytes (AES-256).
 KEY_BYTES: Final = 32
@@ -42,7 +42,6 @@ _TAG_BYTES: Final = 16
 _KEY_CACHE_SIZE: Final = 1024
 
 
-@attrs.frozen(eq=False, repr=False)
 class Secret:
     """
     A plaintext string that never shows itself.
@@ -50,9 +49,24 @@ class Secret:
     `repr()` and `str()` print stars; only `reveal()` gives the value, so each place that
     really needs it says so. Two secrets are equal when their values are (compared in
     constant time), and a secret is hashable, so payloads holding secrets compare normally.
+    Not an attrs class: `attrs.asdict` of a payload keeps the `Secret` as it is
+    instead of opening it into a dict that holds the plaintext.
     """
 
-    _value: str = attrs.field(validator=attrs.validators.instance_of(str))
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"a Secret holds a str, got {type(value).__name__}")
+        self._value = value
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if hasattr(self, "_value"):
+            raise attrs.exceptions.FrozenInstanceError  # as it was, an attrs class
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self) -> tuple[type[Secret], tuple[str]]:
+        return (Secret, (self._value,))
 
     def reveal(self) -> str:
         """Return the plaintext. Do not log it."""
@@ -139,8 +153,17 @@ class SecretBox:
 
     def seal(self, owner_id: UUID, name: str, plaintext: str) -> str:
         """Encrypt `plaintext` for `owner_id`, bound to the env key `name`."""
+        bad: str | None = None
+        try:
+            data = plaintext.encode()
+        except UnicodeEncodeError as exc:
+            # Not raised from it, nor inside its handler (which would chain it as
+            # __context__): its `object` attribute is the whole plaintext.
+            bad = f"secret {name!r} has no UTF-8 form ({exc.reason} at position {exc.start})"
+        if bad is not None:
+            raise InvalidPayload(bad)
         nonce = os.urandom(_NONCE_BYTES)
-        sealed = self._cipher(owner_id).encrypt(nonce, plaintext.encode(), name.encode())
+        sealed = self._cipher(owner_id).encrypt(nonce, data, name.encode())
         return _SEALED_PREFIX + base64.urlsafe_b64encode(nonce + sealed).decode().rstrip("=")
 
     def open(self, owner_id: UUID, name: str, token: str) -> str:

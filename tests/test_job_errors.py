@@ -6,9 +6,12 @@ job row; `build_jobs.error_msg` keeps the fixed messages of docs/rules.md.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import attrs
 import pytest
@@ -150,6 +153,35 @@ def test_a_long_error_is_bounded_and_short_values_are_not_masked() -> None:
     assert error.traceback.rstrip().endswith("level=********")  # 4 characters: masked
     short = describe(ValueError("code a1b"), attempt=1, reason="crash", secrets=["1"])
     assert short.message == "code a1b"  # one character: left alone
+
+
+ESCAPED = "s3cr'et\\tok/é+=\"x"  # a quote, a backslash, a slash, an accent, + and =
+
+
+@pytest.mark.parametrize("render", [
+    pytest.param(lambda s: f"bad token {s!r}", id="repr"),
+    pytest.param(lambda s: f"bad token {s!a}", id="ascii"),
+    pytest.param(lambda s: f"in {[s]}", id="a list's repr"),
+    pytest.param(lambda s: f"body {json.dumps({'token': s})}", id="json"),
+    pytest.param(lambda s: f"body {json.dumps({'token': s}, ensure_ascii=False)}",
+                 id="json, not ascii"),
+    pytest.param(lambda s: f"GET /v1?token={quote(s, safe='')}", id="url"),
+    pytest.param(lambda s: f"GET /v1?{urlencode({'token': s})}", id="form"),
+    pytest.param(lambda s: f"bytes {s.encode()!r}", id="bytes"),
+])
+def test_a_secret_is_masked_in_its_escaped_forms(render: Callable[[str], str]) -> None:
+    """
+    An executor that wrote ``{token!r}`` of a value holding a quote or a
+    backslash left the escaped form unmasked in the kept message, the
+    traceback, the row's error_msg and the worker's log (found by a bug hunt).
+    """
+    try:
+        raise RuntimeError(render(ESCAPED))
+    except RuntimeError as exc:
+        error = describe(exc, attempt=1, reason="crash", secrets=[ESCAPED])
+    assert "********" in error.message
+    for text in (error.message, error.traceback):
+        assert "s3cr" not in text, text
 
 
 def test_secret_values_are_found_in_every_secret_field() -> None:

@@ -23,6 +23,7 @@ from nasiko_queue import (
     Queue,
     QueueConfig,
     Secret,
+    SecretBox,
     Unique,
     Update,
     Worker,
@@ -568,6 +569,37 @@ async def test_a_plain_jobs_secrets_are_sealed_at_rest_and_masked_in_its_errors(
     assert token not in error.traceback
     row = await plain_row(queue.db, job_id)
     assert token not in row["error_msg"]
+    assert token not in caplog.text
+
+
+async def test_a_plain_jobs_secret_that_does_not_open_fails_the_job_saying_why(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """
+    A worker with another master key than the enqueuer's (or none) used to drop
+    the value and run the job without it: the executor saw no credential and
+    the job ended completed, the one trace a warning naming "build None". The
+    job is discarded as an invalid payload instead, the reason logged with its
+    id, and nothing runs; it can be retried once the worker has the key.
+    """
+    executors = Executors()
+    ran: list[dict[str, Secret]] = []
+
+    @executors.register(CallTool)
+    async def call(ctx: PlainJobContext[CallTool]) -> None:
+        ran.append(dict(ctx.payload.credentials))
+
+    token = "sk-live-5d2e9b0c41"
+    job_id = await queue.enqueue(CallTool(tool="search", credentials={"API_KEY": Secret(token)}))
+    other_key = Queue(queue.db, config=queue.config, secrets=SecretBox(b"o" * 32))
+    async with running(other_key, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.failed + s.done >= 1)
+    assert ran == []
+    row = await plain_row(queue.db, job_id)
+    assert (row["state"], row["error_msg"]) == ("discarded", "invalid job payload")
+    assert f"job {job_id}: invalid payload" in caplog.text
+    assert "secret credentials['API_KEY'] does not open: it does not decrypt" in caplog.text
     assert token not in caplog.text
 
 

@@ -1,8 +1,10 @@
 """Secret, SecretBox, and sealed payload fields: in the codec, at rest, and in a worker."""
 
 import base64
+import copy
 import json
 import logging
+import pickle
 import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -73,9 +75,30 @@ class TestSecret:
     def test_frozen(self) -> None:
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             Secret("a")._value = "b"  # type: ignore[misc]
+        with pytest.raises(TypeError, match="holds a str"):
+            Secret(b"bytes")  # type: ignore[arg-type]
+
+    def test_asdict_of_a_payload_keeps_the_secret_closed(self) -> None:
+        """
+        Secret was an attrs class, so `attrs.asdict` of a payload (what an
+        application might log) opened it into {'_value': <plaintext>}.
+        """
+        opened = attrs.asdict(mcp({"K": Secret(PLAINTEXT)}))
+        assert PLAINTEXT not in repr(opened)
+        assert opened["env"] == {"K": Secret(PLAINTEXT)}
+        assert copy.deepcopy(Secret("a")) == Secret("a")
+        assert pickle.loads(pickle.dumps(Secret("a"))) == Secret("a")  # noqa: S301 (our own bytes)
 
 
 class TestSecretBox:
+    def test_a_value_with_no_utf8_form_is_refused_without_itself(self, box: SecretBox) -> None:
+        """The encoder's own error kept the whole plaintext in its `object`."""
+        with pytest.raises(InvalidPayload, match="'API_KEY' has no UTF-8 form") as caught:
+            box.seal(OWNER, "API_KEY", PLAINTEXT + "\ud800")
+        assert caught.value.__context__ is None
+        assert caught.value.__cause__ is None
+        assert PLAINTEXT not in str(caught.value)
+
     def test_round_trip(self, box: SecretBox) -> None:
         """A sealed value opens for the same owner and name."""
         token = box.seal(OWNER, "API_KEY", PLAINTEXT)

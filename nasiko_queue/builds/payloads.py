@@ -112,7 +112,9 @@ class Payload(abc.ABC):
     Secret fields: a field typed ``Mapping[str, Secret]`` and declared with
     ``attrs.field(metadata={"sealed": True})`` is stored with each value sealed by the
     codec's `SecretBox` for ``secret_owner()``, bound to its key. On decode, a value that
-    does not open is dropped and logged by key, never by value. Adding
+    does not open is dropped and logged by key, never by value (in a plain job's
+    `JobArgs`, it raises `InvalidPayload` instead: the job is discarded, not run
+    without it). Adding
     ``"plaintext_compat": True`` to the metadata also accepts plaintext values on decode
     (rows written before the field was sealed) and lets a codec built with
     ``seal_compat_fields=False`` write the field in plaintext.
@@ -869,6 +871,14 @@ class PayloadCodec:
                     continue
                 except SecretDecryptError:
                     reason = "it does not decrypt"
+            if not isinstance(payload, Payload):
+                # A plain job's secret: the job fails, saying why, rather than run
+                # without its credential (the build kinds keep the original's
+                # rule: dropped, logged by key name). A dead job can be retried
+                # once the worker has the right key.
+                raise InvalidPayload(f"invalid {payload.kind} payload: secret "
+                                     f"{field.name}[{key!r}] does not open: {reason} (a "
+                                     "worker with another master key than the enqueuer's?)")
             logger.warning(
                 "dropped secret %s.%s of %s payload (build %s): %s",
                 field.name, key, payload.kind, getattr(payload, "build_id", None), reason,
