@@ -164,8 +164,17 @@ def test_enqueue_many(dsn: str) -> None:
         assert [stored[i]["url"] for i in ids[:3]] == ["0", "1", "2"]
         with pytest.raises(InvalidPayload, match=r"jobs\[1\]: .*NUL"):
             await aio.enqueue_many(pool, [Resize(url="ok"), Resize(url="a\x00b")])
-        with pytest.raises(ValueError, match=r"jobs\[0\]: delay must not be negative"):
+        with pytest.raises(ValueError, match=r"jobs\[0\]: delay is 0 to"):
             await aio.enqueue_many(pool, [Job(Resize(url="ok"), delay=-1)])
+        # Found by a bug hunt: a lone surrogate raised TypeError ("function takes
+        # exactly 5 arguments") in place of the index, a NaN delay went out as the
+        # bare token NaN (the server refused the batch's JSON, no index).
+        with pytest.raises(InvalidPayload, match=r"jobs\[1\]: .*field 'url': a lone "
+                                                 r"surrogate"):
+            await aio.enqueue_many(pool, [Resize(url="ok"), Resize(url="a\ud800b")])
+        for bad in (float("nan"), float("inf"), 1e300):
+            with pytest.raises(ValueError, match=r"jobs\[1\]: delay is 0 to"):
+                await aio.enqueue_many(pool, [Resize(url="ok"), Job(Resize(url="x"), delay=bad)])
         assert await aio.enqueue_many(pool, []) == []
         assert await pool.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 3
 

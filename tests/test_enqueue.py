@@ -12,11 +12,14 @@ import pytest
 import trio
 
 from nasiko_queue import (
+    Job,
     JobArgs,
+    JobOptions,
     PayloadTooLarge,
     Queue,
     QueueConfig,
     StandaloneBuild,
+    Unique,
     Worker,
 )
 from nasiko_queue.errors import SecretsNotConfigured
@@ -600,3 +603,42 @@ async def test_a_delay_counts_from_the_enqueue_not_the_transactions_start(
     run_at = await queue.db.fetchval("SELECT run_at FROM nasiko_queue_jobs WHERE id = $1",
                                      job_id)
     assert before + timedelta(seconds=60) <= run_at <= after + timedelta(seconds=60)
+
+
+@pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1.0, 1e300,
+                                   timedelta(days=365 * 101)])
+async def test_a_delay_out_of_range_is_refused_before_anything_is_sent(
+    queue: Queue, delay: Any
+) -> None:
+    """
+    A NaN delay passed the `< 0` check and reached the server as an interval
+    out of range (no field, no index in a batch); found by a bug hunt.
+    """
+    with pytest.raises(ValueError, match="delay is 0 to"):
+        await queue.enqueue(Note(n=1, text="x"), delay=delay)
+    with pytest.raises(ValueError, match="delay is 0 to") as caught:
+        await queue.enqueue_many([Note(n=0, text="x"), Job(Note(n=1, text="x"), delay=delay)])
+    assert any("payload 1 " in note for note in getattr(caught.value, "__notes__", []))
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
+
+
+@pytest.mark.parametrize(("make", "what"), [
+    (lambda: JobOptions(priority=1.5), "priority is a whole number"),  # type: ignore[arg-type]
+    (lambda: JobOptions(priority=True), "priority is a whole number"),
+    (lambda: JobOptions(max_attempts=2.7), "max_attempts is a whole number"),  # type: ignore[arg-type]
+    (lambda: JobOptions(max_attempts=2**40), "max_attempts is a whole number"),
+    (lambda: JobOptions(max_attempts=0), "max_attempts is a whole number"),
+    (lambda: JobOptions(queue="a\x00b"), "no NUL"),
+    (lambda: Unique("k\x00"), "no NUL"),
+    (lambda: Unique(""), "non-empty"),
+])
+def test_options_the_database_would_refuse_or_truncate_are_refused_at_once(
+    make: Callable[[], object], what: str
+) -> None:
+    """
+    A float priority was stored truncated by the trio API and refused by the
+    sync one; 2**40 attempts and NUL characters reached the server, which
+    refused the statement naming no field (found by a bug hunt).
+    """
+    with pytest.raises(ValueError, match=what):
+        make()

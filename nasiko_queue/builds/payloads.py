@@ -647,12 +647,24 @@ def _encode_plan(
 _IDENTITY: Final = converter.get_unstructure_hook(str)
 
 
+def _no_utf8(text: str) -> bool:
+    """Whether `text` holds a lone surrogate, which has no UTF-8 form."""
+    if text.isascii():
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _bad_field(data: dict[str, Any]) -> str | None:
-    """The first field of encoded `data` holding a NUL character or a non-finite float."""
+    """The first field of encoded `data` holding a NUL character, a lone surrogate or
+    a non-finite float."""
 
     def bad(value: object) -> bool:
         if isinstance(value, str):
-            return "\x00" in value
+            return "\x00" in value or _no_utf8(value)
         if isinstance(value, float):
             return value != value or value in (float("inf"), float("-inf"))
         if isinstance(value, dict):
@@ -761,9 +773,10 @@ class PayloadCodec:
         either way; the size check then counts the bytes the row holds).
 
         Raises `InvalidPayload` for what jsonb would refuse, naming the field: a
-        NUL character (jsonb has no way to store one), a NaN or infinite float
-        (not JSON); so that `enqueue_many` can say which payload it was instead
-        of the server failing the whole statement.
+        NUL character (jsonb has no way to store one), a lone surrogate (no UTF-8
+        form: the client could not even send it), a NaN or infinite float (not
+        JSON); so that `enqueue_many` can say which payload it was instead of the
+        server or the driver failing the whole statement.
         """
         data = self.encode(payload)
         try:
@@ -774,6 +787,10 @@ class PayloadCodec:
         if "\\u0000" in text and (field := _bad_field(data)) is not None:
             raise InvalidPayload(f"{payload.kind} payload: field '{field}': a NUL character "
                                  "(\\u0000), which PostgreSQL's jsonb cannot store")
+        if _no_utf8(text):
+            raise InvalidPayload(f"{payload.kind} payload: field '{_bad_field(data)}': a "
+                                 "lone surrogate, which has no UTF-8 form (text to store "
+                                 "must be valid Unicode)")
         return text
 
     def _seal(

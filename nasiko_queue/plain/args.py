@@ -62,6 +62,43 @@ def _states(value: Any) -> frozenset[str]:
     return states
 
 
+def _unique_key(_inst: object, _attr: attrs.Attribute[str], value: object) -> None:
+    # No NUL: PostgreSQL text cannot hold one, and the server would refuse the
+    # statement ("invalid byte sequence"), naming neither the field nor the job.
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ValueError(f"a unique key is a non-empty string with no NUL character, "
+                         f"got {value!r}")
+
+
+def _int_in(low: int, high: int) -> Callable[[object, attrs.Attribute[int], object], None]:
+    """An attrs validator: an int (not a bool, not a float) from `low` to `high`."""
+
+    def check(_inst: object, attr: attrs.Attribute[int], value: object) -> None:
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(f"{attr.name} is a whole number from {low} to {high}, "
+                             f"got {value!r}")
+
+    return check
+
+
+#: The longest `delay` (and workflow wait): 100 years, well inside what a
+#: PostgreSQL timestamp holds.
+MAX_DELAY_SECONDS: Final = 100 * 365.25 * 86400
+
+
+def delay_seconds(delay: float | timedelta | None) -> float | None:
+    """`delay` in seconds, checked: a finite number from 0 to 100 years."""
+    if delay is None:
+        return None
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(f"delay is a number of seconds or a timedelta, got {delay!r}")
+    if not 0 <= seconds <= MAX_DELAY_SECONDS:  # NaN fails both
+        raise ValueError(f"delay is 0 to {MAX_DELAY_SECONDS:.0f} seconds (100 years), "
+                         f"got {delay!r}")
+    return float(seconds)
+
+
 @attrs.frozen
 class Unique:
     """
@@ -75,7 +112,7 @@ class Unique:
     moves by itself.
     """
 
-    key: str = attrs.field(validator=attrs.validators.min_len(1))
+    key: str = attrs.field(validator=_unique_key)
     states: frozenset[str] = attrs.field(default=frozenset({"available", "running"}),
                                          converter=_states)
 
@@ -85,8 +122,8 @@ BUILDS_QUEUE: Final = "builds"
 
 
 def _queue_name(_inst: object, _attr: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not 0 < len(value) <= 128:
-        raise ValueError(f"a queue name is 1 to 128 characters, got {value!r}")
+    if not isinstance(value, str) or not 0 < len(value) <= 128 or "\x00" in value:
+        raise ValueError(f"a queue name is 1 to 128 characters, no NUL, got {value!r}")
     if value == BUILDS_QUEUE:
         raise ValueError(f"{BUILDS_QUEUE!r} is the name build jobs go by; give plain jobs "
                          "another queue")
@@ -99,10 +136,9 @@ class JobOptions:
     #: The queue it goes to; a worker runs the queues it is given.
     queue: str = attrs.field(default=DEFAULT_QUEUE, validator=_queue_name)
     #: Lower runs first within a queue; ties go to the job due first.
-    priority: int = attrs.field(default=0, validator=[attrs.validators.ge(-32768),
-                                                      attrs.validators.le(32767)])
+    priority: int = attrs.field(default=0, validator=_int_in(-32768, 32767))
     #: Runs before the job is discarded (attempts are counted at claim time).
-    max_attempts: int = attrs.field(default=20, validator=attrs.validators.ge(1))
+    max_attempts: int = attrs.field(default=20, validator=_int_in(1, 2**31 - 1))
     #: Enqueue at most one such job at a time (see `Unique`).
     unique: Unique | None = None
 

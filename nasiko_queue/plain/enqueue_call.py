@@ -25,7 +25,7 @@ from ..config import MAX_PAYLOAD_BYTES
 from ..errors import PayloadTooLarge, SecretsNotConfigured
 from ..payload_size import stored_size
 from ..secrets import SecretBox
-from .args import Job, JobArgs, JobOptions, Unique
+from .args import Job, JobArgs, JobOptions, Unique, delay_seconds
 
 
 @attrs.frozen
@@ -97,9 +97,7 @@ def enqueue_call(
     if run_at is not None and run_at.tzinfo is None:
         raise ValueError("run_at must be an aware datetime (with a tzinfo), e.g. "
                          "datetime.now(timezone.utc) + timedelta(minutes=5)")
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
-    if seconds is not None and seconds < 0:
-        raise ValueError(f"delay must not be negative, got {delay!r}")
+    seconds = delay_seconds(delay)
     opts = options or type(args).options
     if unique is None:
         unique = opts.unique
@@ -116,7 +114,7 @@ def enqueue_call(
         run_at=run_at, max_attempts=opts.max_attempts,
         unique_key=None if unique is None else unique.key,
         unique_states=None if unique is None else sorted(unique.states),
-        delay=None if seconds is None else float(seconds))
+        delay=seconds)
 
 
 def enqueue_calls(codec: PayloadCodec, jobs: Sequence[JobArgs | Job], *,
@@ -133,8 +131,19 @@ def enqueue_calls(codec: PayloadCodec, jobs: Sequence[JobArgs | Job], *,
                 calls.append(enqueue_call(codec, job, max_payload_bytes=max_payload_bytes))
         except (ValueError, TypeError, SecretsNotConfigured) as exc:
             # Which one of the batch: its index, as Queue.enqueue_many says it.
-            raise type(exc)(f"jobs[{index}]: {exc}") from exc
+            raise _indexed(exc, index) from exc
     return calls
+
+
+def _indexed(exc: Exception, index: int) -> Exception:
+    """`exc` again, its message led by the job's index in the batch. A type that
+    cannot be made from one message (UnicodeError takes five arguments) becomes
+    the plain ValueError or TypeError it derives from."""
+    text = f"jobs[{index}]: {exc}"
+    try:
+        return type(exc)(text)
+    except Exception:
+        return TypeError(text) if isinstance(exc, TypeError) else ValueError(text)
 
 
 def batch_json(calls: Sequence[EnqueueCall]) -> str:

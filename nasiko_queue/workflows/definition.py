@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Final
 import attrs
 
 from ..executors import PlainJobContext
-from ..plain.args import BackoffFn, JobArgs, JobOptions, _queue_name
+from ..plain.args import MAX_DELAY_SECONDS, BackoffFn, JobArgs, JobOptions, _queue_name
 
 __all__ = ["Step", "StepArgs", "StepContext", "Workflow"]
 
@@ -39,7 +39,7 @@ RESERVED_NAME = "nasiko_queue"
 DEFAULT_WORKFLOW_QUEUE: Final = "workflows"
 #: The longest a step's `delay` or a signal's `timeout` may be: 100 years, well
 #: inside what PostgreSQL's timestamps hold (a delay of 1e13 s is not).
-MAX_WAIT_SECONDS: Final = 100 * 365.25 * 86400
+MAX_WAIT_SECONDS: Final = MAX_DELAY_SECONDS
 
 
 @attrs.frozen(kw_only=True)
