@@ -33,7 +33,7 @@ from .db.database import Database, Transaction
 from .db.statements import Q
 from .errors import InvalidPayload, PayloadTooLarge, ResultTimeout, leaves
 from .payload_size import stored_size
-from .plain.args import Job, JobArgs, JobOptions, Unique, delay_seconds
+from .plain.args import Job, JobArgs, JobOptions, Unique, check_run_at, delay_seconds
 from .plain.limits import PartitionMode, QueueLimit, Rate
 from .plain.limits import clear_limit as clear_queue_limit
 from .plain.limits import limits as queue_limits
@@ -245,9 +245,7 @@ class Queue:
                        delay: float | timedelta | None) -> tuple[object, ...]:
         if run_at is not None and delay is not None:
             raise ValueError("give run_at or delay, not both")
-        if run_at is not None and run_at.tzinfo is None:
-            raise ValueError("run_at must be an aware datetime (with a tzinfo), e.g. "
-                             "datetime.now(timezone.utc) + timedelta(minutes=5)")
+        check_run_at(run_at)
         seconds = delay_seconds(delay) or 0.0
         return (opts.queue, kind, text, opts.priority, opts.max_attempts, run_at, seconds)
 

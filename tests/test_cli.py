@@ -947,6 +947,10 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     (["ping", "{}", "--run-at", "tomorrow"], "is not an ISO 8601 time"),
     (["ping", "{}", "--run-at", "2031-05-01T09:30Z", "--delay", "5"], "not both"),
     (["ping", "{}", "--priority", "40000"], "--priority"),
+    # A bug hunt's: each reached the database (or the worker) before.
+    (["ping", "{}", "--run-at", "0001-01-01T00:00:00+00:00"], "within 100 years of now"),
+    (["ping", "{}", "--delay", "nan"], "delay is 0 to"),
+    (["ping", "{}", "--delay", "1e300"], "delay is 0 to"),
 ])
 def test_enqueue_refuses_bad_input_in_one_line(runner: CliRunner, args: list[str],
                                                message: str) -> None:
@@ -954,7 +958,7 @@ def test_enqueue_refuses_bad_input_in_one_line(runner: CliRunner, args: list[str
     assert result.exit_code == 2, result.output
     assert message in result.stderr
     assert "Traceback" not in result.stderr
-    if "--priority" not in args and "--run-at" not in args:
+    if not {"--priority", "--run-at", "--delay"} & set(args):  # click prints its usage
         assert len(result.stderr.strip().splitlines()) == 1
     missing = invoke(runner, "enqueue", "ping", "{}", env={"DATABASE_URL": ""})
     assert missing.exit_code == 2

@@ -38,7 +38,7 @@ from ..config import QueueConfig
 from ..db.database import Database, open_database
 from ..errors import InvalidPayload
 from ..job_errors import JobError, job_errors
-from ..plain.args import DEFAULT_QUEUE, JobOptions, Unique
+from ..plain.args import DEFAULT_QUEUE, JobOptions, Unique, check_run_at, delay_seconds
 from ..queue import Queue, plain_json_payload
 from .common import (
     OperatorError,
@@ -338,7 +338,19 @@ def _parse_run_at(_ctx: click.Context, _param: click.Parameter,
     if at.tzinfo is None:
         raise click.BadParameter(f"{value!r} has no UTC offset; add one, e.g. "
                                  f"{value}+00:00 (or Z)")
+    try:
+        check_run_at(at)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
     return at
+
+
+def _parse_delay(_ctx: click.Context, _param: click.Parameter,
+                 value: float | None) -> float | None:
+    try:
+        return delay_seconds(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @main.command("enqueue", short_help="Enqueue a plain job; print its id.")
@@ -351,8 +363,8 @@ def _parse_run_at(_ctx: click.Context, _param: click.Parameter,
               help="Lower runs first within its queue.")
 @click.option("--run-at", default=None, metavar="ISO", callback=_parse_run_at,
               help="Not before this time (ISO 8601 with a UTC offset).")
-@click.option("--delay", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="Not before this many seconds from now.")
+@click.option("--delay", type=float, default=None, metavar="SECONDS", callback=_parse_delay,
+              help="Not before this many seconds from now (0 to 100 years).")
 @click.option("--unique", "unique_key", default=None, metavar="KEY",
               help="Only if no waiting or running job holds KEY; else print that "
                    "job's id.")

@@ -874,7 +874,8 @@ SELECT queue,
        count(*) FILTER (WHERE state = 'discarded') AS discarded,
        count(*) FILTER (WHERE state = 'cancelled') AS cancelled,
        extract(epoch FROM now() - min(run_at) FILTER (
-           WHERE state = 'available' AND run_at <= now()))::float8 AS oldest_available_age
+           WHERE state = 'available' AND run_at <= now() AND isfinite(run_at)))::float8
+           AS oldest_available_age
 FROM nasiko_queue_jobs
 GROUP BY queue
 ORDER BY queue;
@@ -1244,7 +1245,7 @@ SELECT least(
      SELECT extract(epoch FROM min(
                 (SELECT j.run_at FROM nasiko_queue_jobs AS j
                  WHERE j.state = 'available' AND j.queue = $1 AND j.priority = p.priority
-                   AND j.run_at > now()
+                   AND j.run_at > now() AND j.run_at < 'infinity'
                  ORDER BY j.run_at LIMIT 1)) - now())::double precision
      FROM present AS p WHERE p.priority IS NOT NULL),
     CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
@@ -1630,7 +1631,8 @@ GROUP BY status, payload ->> 'kind'
 UNION ALL
 SELECT queue, kind, state, count(*) AS n,
        extract(epoch FROM now() - min(run_at) FILTER (
-           WHERE state = 'available' AND run_at <= now()))::float8 AS oldest
+           WHERE state = 'available' AND run_at <= now() AND isfinite(run_at)))::float8
+           AS oldest
 FROM nasiko_queue_jobs
 GROUP BY queue, kind, state;
 -- Dashboard (nasiko_queue.web.dashboard).
@@ -1714,8 +1716,8 @@ HAVING count(*) > 0;
 -- oldest due job has waited (NULL: none is due yet).
 WITH waiting AS (
     SELECT queue, count(*)::int AS waiting,
-           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now()))::float8
-               AS oldest_age
+           extract(epoch FROM now() - min(run_at) FILTER (
+               WHERE run_at <= now() AND isfinite(run_at)))::float8 AS oldest_age
     FROM nasiko_queue_jobs WHERE state = 'available'
     GROUP BY queue
     UNION ALL
@@ -1898,8 +1900,8 @@ SELECT queue, sum(available)::int AS available, sum(scheduled)::int AS scheduled
 FROM (
     SELECT queue, count(*) FILTER (WHERE run_at <= now()) AS available,
            count(*) FILTER (WHERE run_at > now()) AS scheduled, 0 AS running,
-           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now()))::float8
-               AS oldest
+           extract(epoch FROM now() - min(run_at) FILTER (
+               WHERE run_at <= now() AND isfinite(run_at)))::float8 AS oldest
     FROM nasiko_queue_jobs WHERE state = 'available'
     GROUP BY queue
     UNION ALL

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import MINYEAR, UTC, datetime
 
 import trio
 
@@ -208,7 +208,9 @@ class Producer:
         wall = datetime.now(UTC)
         for job in claimed:
             # Against the database's clock (created_at, run_at): a skew shows here.
-            state.claim_latency.observe(max(0.0, (wall - job.created_at).total_seconds()))
+            # A run_at of -infinity (written by SQL) has no latency to observe.
+            if job.created_at.year > MINYEAR:
+                state.claim_latency.observe(max(0.0, (wall - job.created_at).total_seconds()))
         state.job_ready.unpark(count=len(claimed))
 
     # -- lost claims -------------------------------------------------------------
@@ -319,7 +321,11 @@ class Producer:
         rescue or the sweep.
         """
         state = self.state
-        state.closing = True
+        # As a stop does: the slots take nothing more and return once their run
+        # ends. Here also when the loop above raised (a bug): the slots waited for
+        # jobs that would never come, and the wind-down for them, so the worker
+        # hung instead of ending with the error.
+        state.close()
         while (state.lost_claims or state.buffer or state.fenced_out or state.finishes
                or state.starts or state.slots_alive):
             if state.fenced_out:

@@ -20,9 +20,10 @@ original worker's claim shares.
 from __future__ import annotations
 
 import abc
+import math
 import random
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 from uuid import UUID
 
@@ -97,6 +98,26 @@ def delay_seconds(delay: float | timedelta | None) -> float | None:
         raise ValueError(f"delay is 0 to {MAX_DELAY_SECONDS:.0f} seconds (100 years), "
                          f"got {delay!r}")
     return float(seconds)
+
+
+def check_run_at(run_at: datetime | None) -> None:
+    """
+    Refuse a run_at that is naive, or more than 100 years from now: asyncpg
+    writes `datetime.min`/`max` as -infinity/infinity, which PostgreSQL's
+    date arithmetic refuses (a worker reading when the next job is due, the
+    status counts).
+    """
+    if run_at is None:
+        return
+    if run_at.tzinfo is None:
+        raise ValueError("run_at must be an aware datetime (with a tzinfo), e.g. "
+                         "datetime.now(timezone.utc) + timedelta(minutes=5)")
+    try:
+        off = abs((run_at - datetime.now(UTC)).total_seconds())
+    except OverflowError:
+        off = math.inf
+    if off > MAX_DELAY_SECONDS:
+        raise ValueError(f"run_at is within 100 years of now, got {run_at.isoformat()}")
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ from ..config import MAX_PAYLOAD_BYTES
 from ..errors import PayloadTooLarge, SecretsNotConfigured
 from ..payload_size import stored_size
 from ..secrets import SecretBox
-from .args import Job, JobArgs, JobOptions, Unique, delay_seconds
+from .args import Job, JobArgs, JobOptions, Unique, check_run_at, delay_seconds
 
 
 @attrs.frozen
@@ -94,9 +94,7 @@ def enqueue_call(
                         "by Queue.enqueue")
     if run_at is not None and delay is not None:
         raise ValueError("give run_at or delay, not both")
-    if run_at is not None and run_at.tzinfo is None:
-        raise ValueError("run_at must be an aware datetime (with a tzinfo), e.g. "
-                         "datetime.now(timezone.utc) + timedelta(minutes=5)")
+    check_run_at(run_at)
     seconds = delay_seconds(delay)
     opts = options or type(args).options
     if unique is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from uuid import UUID
 
 import asyncpg
@@ -43,9 +44,14 @@ CANCELLED = "cancelled"
 
 
 def _claimed(row: asyncpg.Record, queue: str, worker: UUID | None) -> ClaimedJob:
+    due: datetime = row["created_at"]  # its run_at
+    if due.tzinfo is None:
+        # -infinity, which asyncpg reads as a naive datetime.min (a row written
+        # by SQL): aware, so that it orders and compares with the others.
+        due = due.replace(tzinfo=UTC)
     return ClaimedJob(id=row["id"], agent_id=None, connector_id=None, owner_id=None,
                       payload=row["payload"], old_attempt=row["old_attempt"],
-                      created_at=row["created_at"], kind=row["kind"],
+                      created_at=due, kind=row["kind"],
                       max_attempts=row["max_attempts"], priority=row["priority"], queue=queue,
                       claimed_by=worker)
 
