@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from nasiko_queue import MigrationError, migrate, open_database
+from nasiko_queue import DatabaseConfig, MigrationError, migrate, open_database
 from nasiko_queue.db.migrate import Migration, load_migrations
+from nasiko_queue.db.statements import Q
+
+from .helpers import TEST_DEADLINE, LogEvent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,3 +200,53 @@ def test_wheel_ships_the_migrations_and_the_type_marker(tmp_path: Path) -> None:
     # The dashboard's templates and stylesheet (package data, no build step).
     assert "nasiko_queue/web/templates/base.html" in names
     assert "nasiko_queue/web/static/dashboard.css" in names
+
+
+@pytest.mark.parametrize("transactional", [True, False])
+async def test_a_migration_statement_may_outlast_the_pools_command_timeout(
+    empty_dsn: str, transactional: bool
+) -> None:
+    """
+    Building an index on a big table (or CONCURRENTLY, behind a long
+    transaction) takes minutes; each statement inherited the pool's 60 s
+    `command_timeout` and was cut off ("timed out talking to the server"),
+    leaving an INVALID index behind (found by a bug hunt). Here the pool's bound
+    is 0.2 s and the statement takes 1 s.
+    """
+    head = "" if transactional else "--! no-transaction\n"
+    slow = [Migration("0001", "slow", f"{head}SELECT pg_sleep(1);\n")]
+    config = DatabaseConfig(dsn=empty_dsn, command_timeout=0.2)
+    async with open_database(config) as db:
+        with trio.fail_after(TEST_DEADLINE):
+            assert await migrate(db, slow) == ["0001"]
+
+
+async def test_a_migrator_waiting_for_anothers_lock_says_so(
+    empty_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It waited without a word, for ever if the other one was stuck."""
+    monkeypatch.setattr("nasiko_queue.db.migrate.LOCK_WAIT_NOTICE", 0.2)
+    tiny = [Migration("0001", "tiny", "SELECT 1;")]
+    done: list[list[str]] = []
+    async with open_database(empty_dsn) as db, db.transaction() as holder:
+        assert await holder.fetchval(Q.migrations_lock)
+        with LogEvent("waiting for another migrator") as said, trio.fail_after(TEST_DEADLINE):
+            async with trio.open_nursery() as nursery:
+                async def other() -> None:
+                    done.append(await migrate(db, tiny))
+
+                nursery.start_soon(other)
+                await said.event.wait()
+                assert done == []
+                await holder.execute(Q.migrations_unlock)
+    assert done == [["0001"]]
+
+
+def test_a_misnamed_migration_file_is_refused(tmp_path: Path) -> None:
+    """`0030_add-index.sql` did not match the name pattern and was skipped: it never
+    ran, and `migrate` said the schema was up to date."""
+    (tmp_path / "0001_fine.sql").write_text("SELECT 1;")
+    (tmp_path / "0002_add-index.sql").write_text("SELECT 2;")
+    (tmp_path / "notes.txt").write_text("not a migration")
+    with pytest.raises(MigrationError, match=r"not: \['0002_add-index.sql'\]"):
+        load_migrations(tmp_path)

@@ -40,6 +40,13 @@ from .statements import Q
 log = logging.getLogger("nasiko_queue.migrate")
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+#: The client's bound on one migration statement. Not the pool's
+#: `command_timeout` (60 s): building an index on a big table, or waiting for a
+#: long transaction to end before CONCURRENTLY can, takes longer, and a
+#: migration cut off half-way leaves work to redo (an INVALID index).
+STATEMENT_TIMEOUT = 7 * 86_400.0
+#: Seconds a migrator waits for another's lock before it says so.
+LOCK_WAIT_NOTICE = 5.0
 #: First line of a migration that must run outside a transaction.
 NO_TRANSACTION = "--! no-transaction"
 
@@ -89,10 +96,17 @@ def migrations_dir() -> Traversable:
 def load_migrations(folder: Traversable | None = None) -> list[Migration]:
     folder = folder or migrations_dir()
     found = []
+    misnamed = []
     for entry in folder.iterdir():
         match = _FILE.match(entry.name)
         if match:
             found.append(Migration(match[1], match[2], entry.read_text("utf-8")))
+        elif entry.name.endswith(".sql"):
+            misnamed.append(entry.name)
+    if misnamed:
+        # Skipped, it would never run, and `migrate` would say all is up to date.
+        raise MigrationError(f"migration files must be named NNNN_name.sql (letters, digits "
+                             f"and _ in the name); not: {sorted(misnamed)}")
     found.sort(key=lambda m: m.version)
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
@@ -106,16 +120,22 @@ async def _lock(conn: asyncpg.Connection) -> None:
     replica holds it (see `migrations_lock` for why it is not waited for inside
     the server). Runs on the asyncio side, hence asyncio's sleep.
     """
-    pause = 0.05
+    pause, waited, told = 0.05, 0.0, False
     while not await conn.fetchval(Q.migrations_lock):
+        if waited >= LOCK_WAIT_NOTICE and not told:
+            log.warning("waiting for another migrator to finish (it holds the migrations "
+                        "lock; `SELECT pid FROM pg_locks WHERE locktype = 'advisory'` names "
+                        "its backend)")
+            told = True
         await asyncio.sleep(pause)
+        waited += pause
         pause = min(pause * 2, 1.0)
 
 
 async def _apply(conn: asyncpg.Connection, m: Migration, statements: list[str]) -> None:
     for statement in statements:
         try:
-            await conn.execute(statement)
+            await conn.execute(statement, timeout=STATEMENT_TIMEOUT)
         except asyncpg.PostgresError as exc:
             raise MigrationError(f"migration {m.version}_{m.name} failed: {exc}") from exc
 
