@@ -388,7 +388,10 @@ class Queue:
     async def retry_run(self, run_id: UUID) -> str | None:
         """Run a failed (or cancelled) run again: its failed, cancelled and
         never-started steps go back to waiting for their dependencies, completed
-        steps keep their results. 'retried', 'not failed: <state>', or None."""
+        steps keep their results, and child runs are resumed (retried, or waited
+        for), not started anew. 'retried', 'not failed: <state>', 'still stopping:
+        <steps>' (a step asked to stop still runs: nothing changed; retry once it
+        has ended), or None."""
         answer: str | None = await self.db.fetchval(Q.workflow_retry, run_id)
         self.wake()
         return answer

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import attrs
 import pytest
@@ -30,6 +31,7 @@ from nasiko_queue import (
     StepContext,
     Workflow,
 )
+from nasiko_queue.admin.runs import RunRefused, retry_run
 from nasiko_queue.db.database import Database
 from nasiko_queue.db.statements import Q
 
@@ -434,8 +436,9 @@ async def test_a_replaced_child_run_no_longer_ends_its_parent(
     queue: Queue, stale_end: str
 ) -> None:
     """
-    The parent P is cancelled (its child C1 with it) and retried: its step
-    starts a new child C2, which completes, and P goes on to its next step.
+    The parent P is cancelled (its child C1 with it) and retried, as before
+    migration 0030 (whose retry resumes C1 instead): its step starts a new
+    child C2, which completes, and P goes on to its next step.
     Then C1, retried on its own, fails or is cancelled: P's step no longer
     waits for C1, so P goes on. It used to fail (or cancel) P and rewrite its
     completed step: only a child's completion checked that the step still
@@ -460,6 +463,10 @@ async def test_a_replaced_child_run_no_longer_ends_its_parent(
     first = view.step("sub").child_run
     assert first is not None
     assert await queue.cancel_run(run_id) == "cancelled"
+    # What a retry before 0030 left: the step no longer names C1 (runs replaced
+    # then still exist), so the retry starts a new child.
+    await queue.db.execute("UPDATE nasiko_queue_workflow_steps SET child_run = NULL "
+                           "WHERE run_id = $1 AND step = 'sub'", run_id)
     assert await queue.retry_run(run_id) == "retried"
     view = await queue.run(run_id)
     assert view is not None
@@ -485,6 +492,128 @@ async def test_a_replaced_child_run_no_longer_ends_its_parent(
     assert view is not None
     assert (view.state, view.step("sub").state, view.step("sub").child_run,
             view.step("then").state) == ("running", "completed", second, "enqueued")
+
+
+async def _step_jobs(queue: Queue, run_id: UUID) -> list[tuple[str, str]]:
+    rows = await queue.db.fetch("SELECT payload->>'step' AS step, state FROM nasiko_queue_jobs "
+                                "WHERE workflow_run = $1 ORDER BY created_at, id", run_id)
+    return [(r["step"], r["state"]) for r in rows]
+
+
+async def test_a_retry_waits_until_the_stopped_step_has_stopped(queue: Queue) -> None:
+    """
+    Cancel a run whose step is running, retry it at once: the step's function
+    was still running (it stops at its worker's next heartbeat, or later if it
+    ignores cancellation) when the retry enqueued the step again, so it ran
+    twice at once (found by a bug hunt). The retry is refused until the old
+    job has ended, and changes nothing meanwhile.
+    """
+    wf = Workflow("slow")
+
+    @wf.step()
+    async def crunch(ctx: StepContext) -> int:
+        return 1
+
+    run_id = await queue.start(wf)
+    # A worker has claimed the step's job and runs it.
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1 "
+                           "WHERE workflow_run = $1", run_id)
+    assert await queue.cancel_run(run_id) == "cancelled"
+    assert await queue.retry_run(run_id) == "still stopping: crunch"
+    with pytest.raises(RunRefused, match=r"still running \(crunch\)"):
+        await retry_run(queue.db, run_id)
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, await _step_jobs(queue, run_id)) == ("cancelled",
+                                                             [("crunch", "running")])
+    # Its worker heard the cancel and ended the job.
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'cancelled', "
+                           "finished_at = now() WHERE workflow_run = $1", run_id)
+    assert await queue.retry_run(run_id) == "retried"
+    assert await _step_jobs(queue, run_id) == [("crunch", "cancelled"), ("crunch", "available")]
+
+
+def _two_step_child(calls: list[str]) -> Workflow:
+    child = Workflow("pipeline", max_attempts=1)
+
+    @child.step()
+    async def expensive(ctx: StepContext) -> int:
+        calls.append("expensive")
+        return 41
+
+    @child.step(after=[expensive])
+    async def flaky(ctx: StepContext) -> int:
+        calls.append("flaky")
+        return ctx.results["expensive"] + 1
+
+    return child
+
+
+async def test_a_parents_retry_retries_its_failed_child_keeping_its_completed_steps(
+    queue: Queue,
+) -> None:
+    """
+    The child's second step failed, so the child and its parent failed. The
+    parent's retry started a whole new child run: the child's completed step ran
+    again (found by a bug hunt). It retries the same child run now, whose
+    completed step keeps its result.
+    """
+    calls: list[str] = []
+    parent = Workflow("owner")
+    parent.child("sub", _two_step_child(calls))
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    child_id = view.step("sub").child_run
+    assert child_id is not None
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'completed', "
+                           "finished_at = now(), result = '41' WHERE workflow_run = $1 "
+                           "AND state = 'available'", child_id)  # expensive
+    await queue.db.execute(END_STEP_JOB, child_id, "discarded", "ValueError: flaky")
+    view = await queue.run(run_id)
+    assert view is not None
+    assert view.state == "failed"
+    assert await queue.retry_run(run_id) == "retried"
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("sub").state, view.step("sub").child_run) == (
+        "running", "waiting", child_id)
+    assert await _step_jobs(queue, child_id) == [
+        ("expensive", "completed"), ("flaky", "discarded"), ("flaky", "available")]
+    async with running(queue, executors_for(parent)):
+        with trio.fail_after(TEST_DEADLINE):
+            assert await queue.run_result(run_id, timeout=TEST_DEADLINE) == 42
+    assert calls == ["flaky"]
+
+
+async def test_a_child_retried_on_its_own_is_waited_for_and_cancelled_with_its_parent(
+    queue: Queue,
+) -> None:
+    """
+    The failed child was retried on its own, then its parent: the parent's
+    retry started a second child and left the first running with no parent
+    waiting for it, and cancelling the parent did not reach it (found by a bug
+    hunt). The parent now waits for the child that runs, and a cancel reaches it.
+    """
+    parent = Workflow("keeper")
+    parent.child("sub", _two_step_child([]))
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    child_id = view.step("sub").child_run
+    assert child_id is not None
+    await queue.db.execute(END_STEP_JOB, child_id, "discarded", "ValueError: early")
+    assert await queue.retry_run(child_id) == "retried"
+    assert await queue.retry_run(run_id) == "retried"
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.step("sub").state, view.step("sub").child_run) == ("waiting", child_id)
+    assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs "
+                                   "WHERE parent_run = $1", run_id) == 1
+    assert await queue.cancel_run(run_id) == "cancelled"
+    child = await queue.run(child_id)
+    assert child is not None
+    assert child.state == "cancelled"
 
 
 async def test_a_unique_start_returns_the_first_runs_id(queue: Queue) -> None:

@@ -384,7 +384,8 @@ async def retry_run(db: Database, run_id: UUID, *, actor: str = "api") -> str:
 
     Raises:
         RunNotFound: no run has this id.
-        RunRefused: the run is running or completed.
+        RunRefused: the run is running or completed, or a step of it (or of a
+            child run) asked to stop is still running.
     """
     async with db.transaction() as tx:
         answer: str | None = await tx.fetchval(Q.workflow_retry, run_id)
@@ -393,6 +394,10 @@ async def retry_run(db: Database, run_id: UUID, *, actor: str = "api") -> str:
             return answer
     if answer is None:
         raise RunNotFound(f"no run {run_id}")
+    if answer.startswith("still stopping: "):
+        raise RunRefused(f"run {run_id}: a step asked to stop is still running "
+                         f"({answer.removeprefix('still stopping: ')}); retry once it has "
+                         "ended, within a heartbeat or so")
     state = answer.removeprefix("not failed: ")
     raise RunRefused(f"run {run_id} is {state}: only failed or cancelled runs can be "
                      "retried")

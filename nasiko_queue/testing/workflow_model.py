@@ -170,6 +170,10 @@ class WorkflowModel:
             return None
         if run.state not in (FAILED, CANCELLED):
             return f"not failed: {run.state}"
+        stopping = sorted({step for (step, _idx), row in run.rows.items()
+                           if any(job.state == RUNNING for job in row.jobs)})
+        if stopping:
+            return "still stopping: " + ", ".join(stopping)
         run.state = RUNNING
         for row in run.rows.values():
             if row.state != COMPLETED:
