@@ -29,7 +29,7 @@ import trio
 
 from .builds.payloads import BUILTIN_PAYLOAD_TYPES, MAX_KIND_LENGTH, Payload, PayloadCodec
 from .config import QueueConfig
-from .db.database import Database, Transaction
+from .db.database import Database, Transaction, retry_conflicts
 from .db.statements import Q
 from .errors import InvalidPayload, PayloadTooLarge, ResultTimeout, leaves
 from .payload_size import stored_size
@@ -382,7 +382,8 @@ class Queue:
         """Cancel a running run: its waiting steps are cancelled, its running steps'
         jobs asked to stop (their ends change nothing), none starts; its child runs
         are cancelled. 'cancelled', 'already <state>', or None: no such run."""
-        answer: str | None = await self.db.fetchval(Q.workflow_cancel, run_id)
+        answer: str | None = await retry_conflicts(
+            lambda: self.db.fetchval(Q.workflow_cancel, run_id))
         return answer
 
     async def retry_run(self, run_id: UUID) -> str | None:
@@ -392,7 +393,8 @@ class Queue:
         for), not started anew. 'retried', 'not failed: <state>', 'still stopping:
         <steps>' (a step asked to stop still runs: nothing changed; retry once it
         has ended), or None."""
-        answer: str | None = await self.db.fetchval(Q.workflow_retry, run_id)
+        answer: str | None = await retry_conflicts(
+            lambda: self.db.fetchval(Q.workflow_retry, run_id))
         self.wake()
         return answer
 

@@ -30,6 +30,7 @@ from nasiko_queue import (
     StartWorkflow,
     StepContext,
     Workflow,
+    open_database,
 )
 from nasiko_queue.admin.runs import RunRefused, retry_run
 from nasiko_queue.db.database import Database
@@ -1067,3 +1068,46 @@ async def test_the_stuck_run_check_finds_a_run_whose_transition_was_lost(
                            "state = 'completed' WHERE workflow_run = $1", run_id)
     assert [r["id"] for r in await queue.db.fetch(Q.workflow_stuck_runs)] == [run_id]
     assert await queue.cancel_run(run_id) == "cancelled"
+
+
+async def test_a_cancel_that_the_server_aborts_for_a_deadlock_is_run_again(dsn: str) -> None:
+    """
+    Cancelling a parent locks it and then its child; a child's step ending
+    locks the child and then, as the child completes, its parent. Met head on,
+    PostgreSQL aborts one of the two: the worker's finish is retried, but a
+    user's `cancel_run` raised DeadlockDetectedError (found by a bug hunt). It is
+    run again now. Here the cancel's session detects the deadlock first
+    (deadlock_timeout 20 ms against the other's 1 s), so it is the one aborted.
+    """
+    from .test_cancel_race import _blocked_by
+
+    child = Workflow("quick")
+
+    @child.step()
+    async def only(ctx: StepContext) -> int:
+        return 1
+
+    parent = Workflow("waiter")
+    parent.child("sub", child)
+    sep = "&" if "?" in dsn else "?"
+    async with open_database(dsn) as db, \
+            open_database(f"{dsn}{sep}deadlock_timeout=20ms") as cancelling:
+        run_id = await Queue(db, config=FAST).start(parent)
+        view = await Queue(db, config=FAST).run(run_id)
+        assert view is not None
+        child_id = view.step("sub").child_run
+        answers: list[str | None] = []
+
+        async def cancel() -> None:
+            answers.append(await Queue(cancelling, config=FAST).cancel_run(run_id))
+
+        with trio.fail_after(TEST_DEADLINE):
+            async with trio.open_nursery() as nursery, db.transaction() as ending:
+                # The child's step ends: its trigger has locked the child run...
+                await ending.execute("SELECT 1 FROM nasiko_queue_workflow_runs WHERE id = $1 "
+                                     "FOR UPDATE", child_id)
+                nursery.start_soon(cancel)
+                await _blocked_by(db, await ending.fetchval("SELECT pg_backend_pid()"))
+                # ...and, completing the child, wants its parent, which the cancel holds.
+                await ending.execute(END_STEP_JOB, child_id, "completed", None)
+    assert answers in (["cancelled"], ["already completed"])

@@ -26,7 +26,7 @@ from uuid import UUID
 
 import attrs
 
-from ..db.database import Database
+from ..db.database import Database, retry_conflicts
 from ..db.statements import Q
 from ..errors import NasikoQueueError, NoSuchRun
 from ..job_errors import JobError, plain_json
@@ -364,11 +364,16 @@ async def cancel_run(db: Database, run_id: UUID, *, actor: str = "api") -> str:
         RunNotFound: no run has this id.
         RunRefused: the run has ended already.
     """
-    async with db.transaction() as tx:
-        answer: str | None = await tx.fetchval(Q.workflow_cancel, run_id)
-        if answer == "cancelled":
-            await record(tx, run_id, "cancelled", actor, "run")
+    async def cancel() -> str | None:
+        async with db.transaction() as tx:
+            answer: str | None = await tx.fetchval(Q.workflow_cancel, run_id)
+            if answer == "cancelled":
+                await record(tx, run_id, "cancelled", actor, "run")
             return answer
+
+    answer = await retry_conflicts(cancel)
+    if answer == "cancelled":
+        return answer
     if answer is None:
         raise RunNotFound(f"no run {run_id}")
     raise RunRefused(f"run {run_id} has already ended ({answer.removeprefix('already ')})")
@@ -387,11 +392,16 @@ async def retry_run(db: Database, run_id: UUID, *, actor: str = "api") -> str:
         RunRefused: the run is running or completed, or a step of it (or of a
             child run) asked to stop is still running.
     """
-    async with db.transaction() as tx:
-        answer: str | None = await tx.fetchval(Q.workflow_retry, run_id)
-        if answer == "retried":
-            await record(tx, run_id, "retried", actor, "run")
+    async def retry() -> str | None:
+        async with db.transaction() as tx:
+            answer: str | None = await tx.fetchval(Q.workflow_retry, run_id)
+            if answer == "retried":
+                await record(tx, run_id, "retried", actor, "run")
             return answer
+
+    answer = await retry_conflicts(retry)
+    if answer == "retried":
+        return answer
     if answer is None:
         raise RunNotFound(f"no run {run_id}")
     if answer.startswith("still stopping: "):

@@ -650,6 +650,30 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
         raise
 
 
+#: Tries of a call that PostgreSQL aborted for a deadlock or a serialization
+#: failure (`retry_conflicts`).
+CONFLICT_TRIES = 5
+
+
+async def retry_conflicts(op: Callable[[], Awaitable[T]]) -> T:
+    """
+    `op()`, run again (up to `CONFLICT_TRIES` times, after a short pause) when
+    PostgreSQL aborted it for a deadlock or a serialization failure: nothing of
+    it was kept, and the server asks the client to retry. For the workflow
+    calls whose functions lock a parent run and then its child, where a child's
+    step ending locks them the other way round: the server breaks the cycle by
+    aborting one, and a user's cancel should not be the one that fails for it.
+    """
+    for attempt in range(1, CONFLICT_TRIES + 1):
+        try:
+            return await op()
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
+            if attempt == CONFLICT_TRIES:
+                raise
+            await trio.sleep(0.01 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
 @attrs.define
 class _Flight:
     """One bounded operation: whether the trio side gave up, and where it was sent."""

@@ -15,7 +15,7 @@ from uuid import UUID, uuid4
 import attrs
 
 from ..builds.payloads import converter
-from ..db.database import Database, Transaction
+from ..db.database import Database, Transaction, retry_conflicts
 from ..db.statements import Q
 from ..errors import InvalidPayload
 from .definition import Workflow
@@ -110,8 +110,9 @@ async def start_run(db: Database | Transaction, wf: Workflow, input: Any, *,
 
 
 async def signal_run(db: Database, run_id: UUID, name: str, payload: Any) -> SignalResult | None:
-    answer: str | None = await db.fetchval(Q.workflow_signal, run_id, name,
-                                           _json_text("signal payload", payload))
+    body = _json_text("signal payload", payload)
+    answer: str | None = await retry_conflicts(
+        lambda: db.fetchval(Q.workflow_signal, run_id, name, body))
     return None if answer is None else SignalResult(answer)
 
 
