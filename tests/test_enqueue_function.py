@@ -229,6 +229,20 @@ def test_batch_form(dsn: str) -> None:
                          (json.dumps([{"kind": "c"}, {"kind": "Upload"}]),))
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="a JSON array"):
             conn.execute("SELECT nasiko_queue_enqueue_many('{}')")
+        # Values of the right JSON type that a cast refused with its bare message,
+        # naming neither the job nor the key (found by a bug hunt).
+        for bad, message in [
+            ({"priority": 1.5}, r"jobs\[1\]: values of \{priority\} must be whole"),
+            ({"max_attempts": 1e12}, r"jobs\[1\]: values of \{max_attempts\} must be whole"),
+            ({"delay": 1e300}, r"jobs\[1\]: delay is 0 to 3155760000 seconds"),
+            ({"run_at": "tomorrow-ish"}, r"jobs\[1\]: run_at needs a UTC offset"),
+            ({"run_at": "2030-13-45T00:00:00+00:00"}, r"jobs\[1\]: run_at is not a time"),
+            ({"run_at": "2030-01-01T00:00:00"}, r"jobs\[1\]: run_at needs a UTC offset"),
+            ({"run_at": "-infinity"}, r"jobs\[1\]: run_at needs a UTC offset"),
+        ]:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
+                conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+                             (json.dumps([{"kind": "c"}, {"kind": "c", **bad}]),))
     assert len(ids) == 5
     assert ids[3] == ids[1]
     found = {j["id"]: j for j in jobs(dsn)}
