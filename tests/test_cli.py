@@ -173,6 +173,27 @@ def test_bad_dsn_in_a_real_process_prints_no_traceback() -> None:
     ]
 
 
+@pytest.mark.parametrize("which", ["unmigrated", "down"])
+def test_the_dashboard_checks_its_database_before_it_serves(empty_dsn: str, which: str) -> None:
+    """
+    `dashboard` opened its pool lazily and served: a wrong DSN, an unmigrated
+    database or a server that is down gave a dashboard whose every page failed,
+    where the README promises a one-line error (found by a bug hunt).
+    """
+    dsn = empty_dsn if which == "unmigrated" else "postgresql://root@127.0.0.1:1/postgres"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nasiko_queue", "dashboard", "--read-only", "--bind",
+         "127.0.0.1:0", "--dsn", dsn],
+        cwd=REPO, capture_output=True, text=True, timeout=DEADLINE, check=False,
+        env={k: v for k, v in os.environ.items() if k != "DATABASE_URL"},
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    said = "run `nasiko-queue migrate` first" if which == "unmigrated" else "cannot connect to"
+    assert said in proc.stderr
+    assert "dashboard on" not in proc.stderr
+
+
 # -- status ----------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from .common import (
     stuck_option,
 )
 from .worker import (
+    _check_schema,
     allowed_host_option,
     load_schedules,
 )
@@ -95,6 +96,9 @@ def dashboard_command(ctx: click.Context, dsn: str | None, bind: str, token: str
 
     async def serve_dashboard() -> None:
         async with open_database(dsn) as db:
+            # A wrong DSN, an unmigrated database or a server that is down is a
+            # one-line error now, not a dashboard whose every page fails.
+            await _check_schema(db)
             app = dashboard_app(db, token=token or None, read_only=read_only, config=config,
                                 schedules=schedules, allowed_hosts=allowed_hosts,
                                 sessions=sessions)
