@@ -61,6 +61,12 @@ def test_parse_duration() -> None:
     for bad in ("", "30", "d", "-1d", "0s", "3y", "1d2h"):
         with pytest.raises(ValueError, match="duration"):
             parse_duration(bad)
+    # Past what timedelta (OverflowError) or the database's timestamps hold: the
+    # CLI printed OverflowError's traceback (found by a bug hunt).
+    for too_long in ("99999999999d", "5300w", "9"*400 + "s"):
+        with pytest.raises(ValueError, match="at most 100 years"):
+            parse_duration(too_long)
+    assert parse_duration("5200w") == timedelta(weeks=5200)
 
 
 def test_cli_prune(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,10 @@ _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 
 
+#: The longest duration `parse_duration` takes.
+MAX_DURATION = timedelta(days=36525)
+
+
 def parse_duration(text: str) -> timedelta:
     """
     ``30d``, ``12h``, ``90m``, ``45s``, ``2w`` (one number, one unit) as a timedelta.
@@ -43,9 +47,15 @@ def parse_duration(text: str) -> timedelta:
     match = _DURATION.match(text)
     if match is None:
         raise ValueError(f"{text!r} is not a duration like 30d, 12h, 90m, 45s or 2w")
-    value = timedelta(**{_UNITS[match.group(2).lower()]: float(match.group(1))})
+    try:
+        value = timedelta(**{_UNITS[match.group(2).lower()]: float(match.group(1))})
+    except OverflowError:
+        value = timedelta.max
     if value <= timedelta(0):
         raise ValueError(f"{text!r}: the duration must be positive")
+    if value > MAX_DURATION:
+        # The database subtracts it from now(): past its timestamps' range.
+        raise ValueError(f"{text!r}: the duration is at most 100 years")
     return value
 
 
