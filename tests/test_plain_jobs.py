@@ -601,6 +601,16 @@ async def test_a_plain_jobs_secret_that_does_not_open_fails_the_job_saying_why(
     assert f"job {job_id}: invalid payload" in caplog.text
     assert "secret credentials['API_KEY'] does not open: it does not decrypt" in caplog.text
     assert token not in caplog.text
+    # Written in plaintext (enqueue_json seals nothing): refused, saying so.
+    plain_id = await queue.enqueue_json("call_tool", {"tool": "search",
+                                                      "credentials": {"API_KEY": token}})
+    async with running(queue, executors) as worker:
+        with trio.fail_after(TEST_DEADLINE):
+            await worker.wait_for(lambda s: s.failed + s.done >= 1)
+    assert ran == []
+    assert (await plain_row(queue.db, plain_id))["state"] == "discarded"
+    assert "does not open: it was stored in plaintext" in caplog.text
+    assert token not in caplog.text
 
 
 # -- enqueue_many with per-job options (issue #21) ----------------------------------

@@ -893,9 +893,13 @@ class PayloadCodec:
                 # without its credential (the build kinds keep the original's
                 # rule: dropped, logged by key name). A dead job can be retried
                 # once the worker has the right key.
+                if not is_sealed_token(token):
+                    reason = ("it was stored in plaintext (enqueue_json, the CLI and the "
+                              "SQL function seal nothing)")
+                elif reason == "it does not decrypt":
+                    reason += " (a worker with another master key than the enqueuer's?)"
                 raise InvalidPayload(f"invalid {payload.kind} payload: secret "
-                                     f"{field.name}[{key!r}] does not open: {reason} (a "
-                                     "worker with another master key than the enqueuer's?)")
+                                     f"{field.name}[{key!r}] does not open: {reason}")
             logger.warning(
                 "dropped secret %s.%s of %s payload (build %s): %s",
                 field.name, key, payload.kind, getattr(payload, "build_id", None), reason,
