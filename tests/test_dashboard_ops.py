@@ -176,6 +176,31 @@ async def test_search_by_kind_and_arguments(work_queue: Queue) -> None:  # noqa:
         assert "give a JSON object" in r.text
 
 
+async def test_a_search_is_bounded_in_length_and_in_time(
+    work_queue: Queue, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """
+    Anyone who may read the dashboard may search, and a search by arguments
+    alone tests every job's payload: the filters had no length cap and the
+    statement no time bound (found by review). A search that runs past its bound
+    is stopped and says so; here it waits on a lock past a bound of 0.2 s.
+    """
+    app = dashboard_app(work_queue.db, token=None)
+    async with await _client(app) as client:
+        r = await client.get("/search", params={"args": json.dumps({"note": "x" * 5000})})
+        assert (r.status_code, "arguments: at most 4096 characters" in r.text) == (400, True)
+        r = await client.get("/search", params={"kind": "k" * 101})
+        assert (r.status_code, "kind: at most 100 characters" in r.text) == (400, True)
+        r = await client.get("/scheduled", params={"queue": "q" * 129})
+        assert (r.status_code, r.text) == (400, "queue: at most 128 characters, got 129")
+    monkeypatch.setattr(operator, "SEARCH_TIMEOUT", 0.2)
+    with trio.fail_after(TEST_DEADLINE):
+        async with work_queue.db.transaction() as other:
+            await other.execute("LOCK TABLE nasiko_queue_jobs IN ACCESS EXCLUSIVE MODE")
+            with pytest.raises(ValueError, match=r"the search ran past 0\.2 s"):
+                await operator.search_jobs(work_queue.db, args='{"note": "x"}')
+
+
 async def test_a_paused_schedule_enqueues_nothing_until_resumed(work_queue: Queue) -> None:  # noqa: F811
     db = work_queue.db
     schedule = Schedule("every-minute", "* * * * *", Work(note="tick"))

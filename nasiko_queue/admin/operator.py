@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from uuid import UUID
 
+import asyncpg
 import attrs
 
 from ..config import QueueConfig
@@ -26,6 +27,12 @@ from .jobs import STATES, JobNotFound, JobRefused, _notify, _parse_cursor, recor
 
 #: The largest page any of these views returns (a `limit` above it is cut to it).
 MAX_PAGE = 500
+#: Longest search filters: a kind (kinds have at most 100 characters), and the
+#: arguments' JSON text.
+MAX_KIND_FILTER = 100
+MAX_ARGS_FILTER = 4096
+#: Seconds a search may run (`search_statement_timeout`).
+SEARCH_TIMEOUT = 5.0
 
 
 def _page(limit: int) -> int:
@@ -110,7 +117,13 @@ async def running_jobs(db: Database, limit: int = MAX_PAGE) -> list[RunningJob]:
 
 async def scheduled_jobs(db: Database, queue: str | None = None,
                          limit: int = MAX_PAGE) -> list[ScheduledJob]:
-    """Plain jobs waiting for a `run_at` in the future, soonest first."""
+    """Plain jobs waiting for a `run_at` in the future, soonest first.
+
+    Raises:
+        ValueError: a queue name over 128 characters (no queue has one).
+    """
+    if queue is not None and len(queue) > 128:
+        raise ValueError(f"queue: at most 128 characters, got {len(queue)}")
     return [ScheduledJob(**dict(r))
             for r in await db.fetch(Q.jobs_scheduled, queue, _page(limit))]
 
@@ -146,12 +159,22 @@ async def search_jobs(db: Database, *, kind: str | None = None, args: str | None
         ValueError: `args` is not a JSON object, `state` is not a state, or
             `after` is not a cursor.
     """
+    for name, value, most in (("kind", kind, MAX_KIND_FILTER), ("queue", queue, 128),
+                              ("arguments", args, MAX_ARGS_FILTER)):
+        if value is not None and len(value) > most:
+            raise ValueError(f"{name}: at most {most} characters, got {len(value)}")
     document = parse_args_filter(args)
     if state is not None and state not in STATES:
         raise ValueError(f"state must be one of {', '.join(STATES)}, not {state!r}")
     at, last = _parse_cursor(after) if after else (None, None)
-    rows = await db.fetch(Q.jobs_search, kind or None, document, state, queue or None, at,
-                          last, _page(limit))
+    try:
+        async with db.transaction() as tx:
+            await tx.fetchval(Q.search_statement_timeout, f"{SEARCH_TIMEOUT:g}s")
+            rows = await tx.fetch(Q.jobs_search, kind or None, document, state,
+                                  queue or None, at, last, _page(limit))
+    except asyncpg.QueryCanceledError:
+        raise ValueError(f"the search ran past {SEARCH_TIMEOUT:g} s and was stopped; name a "
+                         "kind or a queue to narrow it") from None
     return [FoundJob(**dict(r)) for r in rows]
 
 

@@ -124,6 +124,12 @@ SELECT id FROM mcp_connectors WHERE id = $1 FOR UPDATE;
 -- steps.
 SELECT set_config('lock_timeout', $1, true);
 
+-- name: search_statement_timeout
+-- For the rest of a dashboard search's transaction: each statement runs $1 (an
+-- interval's text) at most. A search by arguments alone tests every job's
+-- payload, and anyone who may read the dashboard may ask for one.
+SELECT set_config('statement_timeout', $1, true);
+
 -- name: job_reset_to_pending
 -- Put a claimed job back at the front of the queue: after a panic with attempts
 -- left, or when a hard stop cancels its executor. The attempt stays counted.

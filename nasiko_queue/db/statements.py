@@ -28,6 +28,7 @@ class Queries:
     agent_lock: str
     connector_lock: str
     recovery_lock_wait: str
+    search_statement_timeout: str
     job_reset_to_pending: str
     jobs_stuck_exhausted: str
     jobs_reset_stuck: str

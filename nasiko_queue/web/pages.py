@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 from uuid import UUID
 
 from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..admin import operator
@@ -84,7 +84,10 @@ def operator_routes(dash: _Dashboard, action: _Action) -> list[Route]:
 
     async def scheduled(request: Request) -> Response:
         queue = request.query_params.get("queue") or None
-        jobs = await operator.scheduled_jobs(db, queue)
+        try:
+            jobs = await operator.scheduled_jobs(db, queue)
+        except ValueError as exc:
+            return PlainTextResponse(str(exc), 400)
         return dash.render(request, "scheduled.html", jobs=jobs, queue=queue,
                            now=datetime.now(UTC), limit=operator.MAX_PAGE,
                            **refresh_context(request))
