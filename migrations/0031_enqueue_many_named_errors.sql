@@ -6,8 +6,8 @@
 -- ("tomorrow-ish") failed a cast in the loop with the cast's bare message
 -- ("invalid input syntax for type integer"), naming neither the job nor the
 -- key, though 0019 promises "jobs[3]: ...". They are checked before the casts
--- now (numbers: whole, and in range; delay: at most 100 years, as the Python
--- API); a run_at is read by `nasiko_queue_enqueue_time`, which names the job,
+-- now (numbers: whole, and in range, 3.0 taken as 3 as JSON writers may write
+-- it; delay: at most 100 years, as the Python API); a run_at is read by `nasiko_queue_enqueue_time`, which names the job,
 -- wants a UTC offset (a naive time would be read in the session's TimeZone,
 -- which the Python API refuses) and a finite time (-infinity made a row that
 -- broke the date arithmetic of the views).
@@ -25,7 +25,9 @@ BEGIN
     IF v IS NULL THEN
         RETURN NULL;
     END IF;
-    IF v !~ '(Z|z|[+-][0-9]{2}(:?[0-9]{2})?)$' THEN
+    -- A time of day, then its offset: a date alone ("2030-01-01") ends in what
+    -- looks like an offset ("-01") but has none.
+    IF v !~ '[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?\s*(Z|z|[+-][0-9]{2}(:?[0-9]{2})?)$' THEN
         RAISE EXCEPTION '%run_at needs a UTC offset (ISO 8601, e.g. '
                         '2030-01-01T09:00:00+00:00), got %', context, quote_literal(v)
             USING ERRCODE = 'invalid_parameter_value';
@@ -111,9 +113,9 @@ BEGIN
                 job->>'kind',
                 job->'args',
                 job->>'queue',
-                (job->>'priority')::integer,
+                (job->>'priority')::numeric::integer,
                 nasiko_queue_enqueue_time(what, job->>'run_at'),
-                (job->>'max_attempts')::integer,
+                (job->>'max_attempts')::numeric::integer,
                 job->>'unique_key',
                 CASE WHEN jsonb_typeof(job->'unique_states') = 'array'
                      THEN ARRAY(SELECT jsonb_array_elements_text(job->'unique_states')) END,

@@ -81,8 +81,10 @@ class CancelResult(enum.StrEnum):
 
 async def cancel_plain_job(db: Database, job_id: UUID) -> CancelResult | None:
     """The one cancel (`Queue.cancel`, `admin.jobs.cancel`): None for an id that is
-    no plain job."""
-    answer: str | None = await db.fetchval(Q.plain_cancel, job_id)
+    no plain job. A workflow step's cancel locks its run, then the parent run,
+    and may meet a parent's retry or cancel locking them the other way round:
+    run again if the server aborted it for that."""
+    answer: str | None = await retry_conflicts(lambda: db.fetchval(Q.plain_cancel, job_id))
     return None if answer is None else CancelResult(answer)
 
 

@@ -622,6 +622,25 @@ async def test_a_delay_out_of_range_is_refused_before_anything_is_sent(
     assert await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 0
 
 
+def test_whole_numbers_of_any_int_type_and_delays_of_any_number_type_are_taken() -> None:
+    """An IntEnum of priorities and a Decimal delay were taken before the checks
+    above were added, and still are (a review's finding)."""
+    import enum
+    from decimal import Decimal
+    from fractions import Fraction
+
+    from nasiko_queue.plain.args import delay_seconds
+
+    class Priority(enum.IntEnum):
+        HIGH = -10
+
+    assert JobOptions(priority=Priority.HIGH, max_attempts=Priority.HIGH + 13).priority == -10
+    assert delay_seconds(Decimal("1.5")) == 1.5
+    assert delay_seconds(Fraction(1, 4)) == 0.25
+    with pytest.raises(TypeError, match="a number of seconds"):
+        delay_seconds("5")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("make", "what"), [
     (lambda: JobOptions(priority=1.5), "priority is a whole number"),  # type: ignore[arg-type]
     (lambda: JobOptions(priority=True), "priority is a whole number"),

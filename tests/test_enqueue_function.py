@@ -239,10 +239,19 @@ def test_batch_form(dsn: str) -> None:
             ({"run_at": "2030-13-45T00:00:00+00:00"}, r"jobs\[1\]: run_at is not a time"),
             ({"run_at": "2030-01-01T00:00:00"}, r"jobs\[1\]: run_at needs a UTC offset"),
             ({"run_at": "-infinity"}, r"jobs\[1\]: run_at needs a UTC offset"),
+            ({"run_at": "2030-01-01"}, r"jobs\[1\]: run_at needs a UTC offset"),
         ]:
             with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
                 conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
                              (json.dumps([{"kind": "c"}, {"kind": "c", **bad}]),))
+        # A whole number written as a float (Python's json.dumps(3.0)) is that number.
+        whole = conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+                             (json.dumps([{"kind": "d", "priority": 3.0,
+                                           "max_attempts": 2.0}]),)).fetchone()
+        assert whole is not None
+        assert conn.execute("SELECT priority, max_attempts FROM nasiko_queue_jobs "
+                            "WHERE id = %s", (whole[0][0],)).fetchone() == (3, 2)
+        conn.execute("DELETE FROM nasiko_queue_jobs WHERE id = %s", (whole[0][0],))
     assert len(ids) == 5
     assert ids[3] == ids[1]
     found = {j["id"]: j for j in jobs(dsn)}

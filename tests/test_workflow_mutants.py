@@ -53,8 +53,8 @@ MUTANTS: dict[str, tuple[str, tuple[Edit, ...]]] = {
     "cancel_leaves_step_jobs_available": ("nasiko_queue_wf_stop_steps", (
         ("PERFORM nasiko_queue_cancel(s.job_id);", "NULL;"),)),
     # A retry runs every step again, the completed ones too.
-    "retry_reruns_completed_steps": ("nasiko_queue_workflow_retry", (
-        ("WHERE run_id = run AND state <> 'completed';", "WHERE run_id = run;"),)),
+    "retry_reruns_completed_steps": ("nasiko_queue_wf_retry_tree", (
+        ("WHERE st.run_id = run AND st.state <> 'completed'", "WHERE st.run_id = run"),)),
     # A second signal of a name is taken, and delivered again to its step.
     "signal_delivered_twice": ("nasiko_queue_workflow_signal", (
         ("WHERE g.run_id = run AND g.name = sig) THEN",

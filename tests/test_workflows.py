@@ -617,6 +617,162 @@ async def test_a_child_retried_on_its_own_is_waited_for_and_cancelled_with_its_p
     assert child.state == "cancelled"
 
 
+def _nested_top() -> Workflow:
+    """A parent with two child steps, each child running a grandchild, and a job
+    step that can fail the parent."""
+    def grand(n: int) -> Workflow:
+        g = Workflow(f"grand{n}", max_attempts=1)
+
+        @g.step()
+        async def work(ctx: StepContext) -> int:
+            return n
+
+        return g
+
+    def mid(n: int) -> Workflow:
+        m = Workflow(f"mid{n}", max_attempts=1)
+        m.child("g", grand(n))
+        return m
+
+    top = Workflow("top", max_attempts=1)
+    top.child("c1", mid(1))
+    top.child("c2", mid(2))
+
+    @top.step()
+    async def f(ctx: StepContext) -> int:
+        return 0
+
+    return top
+
+
+async def test_a_retry_resumes_every_child_once_even_when_one_completes_at_once(
+    queue: Queue,
+) -> None:
+    """
+    Both grandchildren were retried on their own and completed while their
+    parents stayed cancelled; the top run's retry then completed child c1 at
+    once, whose completion advanced the top run in the middle of the retry,
+    while c2's step was still blocked: a second child run of c2 started, and
+    the old one was retried too (a review's finding). Each child is resumed
+    once now, and no run is started anew.
+    """
+    top = await queue.start(_nested_top())
+    view = await queue.run(top)
+    assert view is not None
+    children = [view.step(s).child_run for s in ("c1", "c2")]
+    grandchildren = []
+    for child in children:
+        assert child is not None
+        mid = await queue.run(child)
+        assert mid is not None
+        grandchildren.append(mid.step("g").child_run)
+    await queue.db.execute(END_STEP_JOB, top, "discarded", "ValueError: f")
+    for grandchild in grandchildren:
+        assert grandchild is not None
+        assert await queue.retry_run(grandchild) == "retried"
+        await queue.db.execute(END_STEP_JOB, grandchild, "completed", None)
+    runs_before = await queue.db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_runs")
+    assert await queue.retry_run(top) == "retried"
+    view = await queue.run(top)
+    assert view is not None
+    assert [view.step(s).child_run for s in ("c1", "c2")] == children
+    assert [view.step(s).state for s in ("c1", "c2", "f")] == [
+        "completed", "completed", "enqueued"]
+    assert await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_workflow_runs") == runs_before
+
+
+async def test_a_retry_refused_deep_in_its_tree_changes_nothing(queue: Queue) -> None:
+    """
+    The parent's check of running step jobs passed, then a job of its failed
+    child was claimed (the child's failure had skipped it: its row was locked)
+    before the child's own retry ran: that retry refused, but its answer was
+    dropped and the parent answered 'retried', its step waiting for ever on a
+    child that stayed failed (a review's finding). The whole retry is refused
+    now and nothing changes.
+    """
+    from .test_cancel_race import _blocked_by
+
+    child = Workflow("kid", max_attempts=1)
+
+    @child.step()
+    async def a(ctx: StepContext) -> int:
+        return 1
+
+    @child.step()
+    async def b(ctx: StepContext) -> int:
+        return 2
+
+    parent = Workflow("dad", max_attempts=1)
+    parent.child("sub", child)
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    child_id = view.step("sub").child_run
+    b_job = await queue.db.fetchval("SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+                                    "AND payload->>'step' = 'b'", child_id)
+    locked, go, claimed = trio.Event(), trio.Event(), trio.Event()
+    answers: list[str | None] = []
+
+    async def claimer() -> None:
+        async with queue.db.transaction() as x:
+            await x.execute("SELECT 1 FROM nasiko_queue_jobs WHERE id = $1 FOR UPDATE", b_job)
+            locked.set()
+            await go.wait()
+            await x.execute("UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1 "
+                            "WHERE id = $1", b_job)
+        claimed.set()
+
+    async def retry() -> None:
+        answers.append(await queue.retry_run(run_id))
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(claimer)
+            await locked.wait()
+            await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'discarded', "
+                                   "finished_at = now(), error_msg = 'boom' "
+                                   "WHERE workflow_run = $1 AND payload->>'step' = 'a'",
+                                   child_id)
+            async with queue.db.transaction() as y:
+                await y.execute("SELECT 1 FROM nasiko_queue_workflow_runs WHERE id = $1 "
+                                "FOR UPDATE", child_id)
+                nursery.start_soon(retry)
+                await _blocked_by(queue.db, await y.fetchval("SELECT pg_backend_pid()"))
+                go.set()
+                await claimed.wait()
+    assert answers == ["still stopping: b"]
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("sub").state) == ("failed", "failed")
+
+
+async def test_a_child_whose_step_runs_does_not_hold_back_its_parents_retry(
+    queue: Queue,
+) -> None:
+    """
+    A child retried on its own runs its step: that step is not one asked to
+    stop, so the parent's retry waits for the child instead of being refused
+    for as long as the step runs (a review's finding).
+    """
+    parent = Workflow("keeper")
+    parent.child("sub", _two_step_child([]))
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    child_id = view.step("sub").child_run
+    assert child_id is not None
+    await queue.db.execute(END_STEP_JOB, child_id, "discarded", "ValueError: early")
+    assert await queue.retry_run(child_id) == "retried"
+    await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1 "
+                           "WHERE workflow_run = $1 AND state = 'available'", child_id)
+    assert await queue.retry_run(run_id) == "retried"
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.step("sub").state, view.step("sub").child_run) == (
+        "running", "waiting", child_id)
+
+
 async def test_a_unique_start_returns_the_first_runs_id(queue: Queue) -> None:
     wf = approval_workflow()
     first = await queue.start(wf, unique="release-42")

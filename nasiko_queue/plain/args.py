@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 import random
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -75,7 +76,8 @@ def _int_in(low: int, high: int) -> Callable[[object, attrs.Attribute[int], obje
     """An attrs validator: an int (not a bool, not a float) from `low` to `high`."""
 
     def check(_inst: object, attr: attrs.Attribute[int], value: object) -> None:
-        if type(value) is not int or not low <= value <= high:
+        # An int subclass (an IntEnum of priorities) is one; a bool is not.
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"{attr.name} is a whole number from {low} to {high}, "
                              f"got {value!r}")
 
@@ -91,9 +93,16 @@ def delay_seconds(delay: float | timedelta | None) -> float | None:
     """`delay` in seconds, checked: a finite number from 0 to 100 years."""
     if delay is None:
         return None
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, bool | str) or not isinstance(delay, numbers.Number):
         raise TypeError(f"delay is a number of seconds or a timedelta, got {delay!r}")
+    else:
+        try:
+            seconds = float(delay)  # a Decimal or a Fraction too
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"delay is a number of seconds or a timedelta, got {delay!r}") \
+                from None
     if not 0 <= seconds <= MAX_DELAY_SECONDS:  # NaN fails both
         raise ValueError(f"delay is 0 to {MAX_DELAY_SECONDS:.0f} seconds (100 years), "
                          f"got {delay!r}")
@@ -117,7 +126,7 @@ def check_run_at(run_at: datetime | None) -> None:
     except OverflowError:
         off = math.inf
     if off > MAX_DELAY_SECONDS:
-        raise ValueError(f"run_at is within 100 years of now, got {run_at.isoformat()}")
+        raise ValueError(f"run_at must be within 100 years of now, got {run_at.isoformat()}")
 
 
 @attrs.frozen
