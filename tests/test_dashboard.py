@@ -297,6 +297,131 @@ async def test_sessions_expire_idle_and_absolute_and_their_store_is_bounded(
             await c.aclose()
 
 
+async def test_a_pages_own_refresh_does_not_keep_its_session_alive(work_queue: Queue) -> None:
+    """
+    The pages reload themselves every few seconds; each reload counted as use,
+    so an unattended tab kept its session alive until its 12-hour lifetime
+    (found by a bug hunt). A reload without user activation (a navigation with
+    no Sec-Fetch-User, as a meta refresh is) does not count now; a click does.
+    """
+    clock = FakeClock()
+    sessions = Sessions(idle=60, lifetime=3600, clock=clock)
+    app = dashboard_app(work_queue.db, token=TOKEN, sessions=sessions)
+    refresh = {"sec-fetch-mode": "navigate", "sec-fetch-dest": "document"}
+    click = {**refresh, "sec-fetch-user": "?1"}
+    async with await _client(app) as client:
+        await _login(client)
+        for _ in range(2):
+            clock.now += 50
+            assert "/logout" in (await client.get("/", headers=click)).text
+        clock.now += 50
+        assert "/logout" in (await client.get("/", headers=refresh)).text
+        clock.now += 50  # 100 s since the last click: the refreshes did not count
+        assert "/logout" not in (await client.get("/", headers=refresh)).text
+
+
+async def test_parallel_logins_cannot_pass_the_limit(work_queue: Queue) -> None:
+    """
+    The login checked the limit, then waited for the request's body, then
+    counted a failure: every request already waiting had passed the check, so
+    as many guesses went through as connections could be held open, the right
+    token among them (found by a bug hunt). Eight logins whose bodies arrive
+    together: three are refused as wrong, the rest as throttled, the right
+    token last among them too.
+    """
+    throttle = LoginThrottle(max_failures=3, window=60, clock=FakeClock())
+    app = dashboard_app(work_queue.db, token=TOKEN, throttle=throttle)
+    count, every_one_waits, bodies = 8, trio.Event(), trio.Event()
+    waiting: list[int] = []
+    statuses: list[int] = []
+
+    async def login(n: int) -> None:
+        token = TOKEN if n == count - 1 else f"guess{n}"
+        body = f"token={token}&login_csrf=c".encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/login", "raw_path": b"/login",
+                 "root_path": "", "query_string": b"", "server": ("test", 80),
+                 "client": ("10.0.0.9", 1000 + n),
+                 "headers": [(b"host", b"test"), (b"cookie", b"nq_login=c"),
+                             (b"content-type", b"application/x-www-form-urlencoded"),
+                             (b"content-length", str(len(body)).encode())]}
+
+        async def receive() -> dict[str, Any]:
+            waiting.append(n)
+            if len(waiting) == count:
+                every_one_waits.set()
+            await bodies.wait()
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        await app(scope, receive, send)
+
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery:
+            for n in range(count):
+                nursery.start_soon(login, n)
+            await every_one_waits.wait()
+            bodies.set()
+    assert sorted(statuses) == [403] * 3 + [429] * 5
+
+
+async def test_another_sites_page_cannot_spend_the_login_limit(work_queue: Queue) -> None:
+    """An <img> on any site pointing at /login?token=x counted as a failed login,
+    and six of them locked the operator out for a minute (found by a bug hunt)."""
+    throttle = LoginThrottle(max_failures=3, window=60, clock=FakeClock())
+    app = dashboard_app(work_queue.db, token=TOKEN, throttle=throttle)
+    async with await _client(app) as client:
+        for _ in range(6):
+            r = await client.get("/login?token=x", headers={"sec-fetch-site": "cross-site"})
+            assert r.status_code == 200  # the login form, nothing counted
+        r = await client.get(f"/login?token={TOKEN}")
+        assert r.status_code == 303
+
+
+@pytest.mark.parametrize("target", ["/\t/evil.example/phish", "/\n/evil.example",
+                                    "/\r\n/evil.example", "/ /evil.example",
+                                    "//evil.example", "/\\evil.example", "https://evil.example"])
+async def test_a_back_link_never_leaves_the_site(work_queue: Queue, target: str) -> None:
+    """`/\t/evil.example` passed the local-path check, and browsers drop the tab:
+    the confirmation page's Back link went to another site (found by a bug hunt)."""
+    from nasiko_queue.web.auth import local_path
+
+    assert local_path(target) == "/"
+    assert local_path("/jobs?state=discarded&queue=work") == "/jobs?state=discarded&queue=work"
+    app = dashboard_app(work_queue.db, token=TOKEN)
+    async with await _client(app) as client:
+        await _login(client)
+        r = await client.get("/confirm/discard-matching", params={"next": target})
+        assert "evil.example" not in r.text
+
+
+async def test_a_search_nested_too_deeply_is_refused_not_a_crash(work_queue: Queue) -> None:
+    app = dashboard_app(work_queue.db, token=None)
+    async with await _client(app) as client:
+        r = await client.get("/search", params={"args": '{"a":' + "[" * 1000 + "]" * 1000 + "}"})
+    assert (r.status_code, "arguments: nested too deeply" in r.text) == (400, True)
+
+
+def test_a_dual_stack_bind_answers_its_ipv4_clients() -> None:
+    """Bound to ::, the server reports an IPv4 client's connection as arriving on
+    ::ffff:127.0.0.1, which never matched the Host 127.0.0.1: every IPv4 client
+    got 421 (found by a bug hunt)."""
+    check = HostCheck(app=None, allowed=())  # type: ignore[arg-type]
+
+    def scope(host: str, server: str) -> Any:
+        return {"type": "http", "scheme": "http", "server": (server, 9182),
+                "headers": [(b"host", host.encode())]}
+
+    assert check.ok(scope("127.0.0.1:9182", "::ffff:127.0.0.1"))
+    assert check.ok(scope("localhost:9182", "::ffff:127.0.0.1"))
+    assert check.ok(scope("192.0.2.2:9182", "::ffff:192.0.2.2"))
+    assert not check.ok(scope("evil.example:9182", "::ffff:127.0.0.1"))
+    assert check.ok(scope("[::1]:9182", "::1"))
+
+
 async def test_the_login_form_has_its_own_csrf_token(work_queue: Queue) -> None:
     app = dashboard_app(work_queue.db, token=TOKEN)
     async with await _client(app) as client, await _client(app) as other:

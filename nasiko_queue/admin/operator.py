@@ -141,6 +141,8 @@ def parse_args_filter(text: str | None) -> str | None:
     except ValueError as exc:
         raise ValueError(f"arguments: not valid JSON ({exc.args[0] if exc.args else exc}); "
                          'give an object such as {"user_id": 42}') from None
+    except RecursionError:
+        raise ValueError("arguments: nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError('arguments: give a JSON object such as {"user_id": 42}, '
                          f"not {type(value).__name__}")

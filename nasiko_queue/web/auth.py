@@ -108,8 +108,11 @@ class Sessions:
         self._by_id[sid] = session
         return sid, session
 
-    def get(self, sid: str | None) -> Session | None:
-        """The live session `sid` names (touching it), or None."""
+    def get(self, sid: str | None, *, touch: bool = True) -> Session | None:
+        """The live session `sid` names, or None. `touch`: it is being used now (an
+        action, a page asked for); not when a page merely shows who is logged in,
+        as its own refresh does every few seconds, or an unattended tab would
+        keep its session alive until its lifetime ends."""
         if not sid:
             return None
         session = self._by_id.get(sid)
@@ -119,8 +122,9 @@ class Sessions:
         if self._expired(session, now):
             del self._by_id[sid]
             return None
-        session.used = now
-        self._by_id.move_to_end(sid)
+        if touch:
+            session.used = now
+            self._by_id.move_to_end(sid)
         return session
 
     def end(self, sid: str | None) -> None:
@@ -201,11 +205,36 @@ def _split_host(value: str) -> tuple[str, int | None] | None:
     return host.rstrip("."), int(port_text) if port_text else None
 
 
+def local_path(target: str | None, default: str = "/") -> str:
+    """
+    `target` if it is a path of this site, else `default` (no open redirect):
+    it starts with one "/", and holds no backslash, no whitespace and no control
+    character, which browsers drop or read as "/" ("/\t/evil.example" is
+    "//evil.example" to them: another site).
+    """
+    target = target or default
+    if (not target.startswith("/") or target.startswith("//") or "\\" in target
+            or any(c.isspace() or not c.isprintable() for c in target)):
+        return default
+    return target
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _unmapped(host: str) -> str:
+    """An IPv4 address as itself where a dual-stack socket reports it IPv4-mapped
+    (``::ffff:127.0.0.1`` for a client of 127.0.0.1 on a server bound to ``::``)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped) if mapped is not None else host
 
 
 @attrs.define
@@ -247,7 +276,7 @@ class HostCheck:
         server = scope.get("server")
         if not server:
             return False
-        server_host = str(server[0]).lower()
+        server_host = _unmapped(str(server[0]).lower())
         server_port = default_port if server[1] is None else int(server[1])
         if port != server_port:
             return False

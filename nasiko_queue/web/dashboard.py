@@ -66,7 +66,7 @@ from ..config import QueueConfig
 from ..db.database import Database
 from ..db.statements import Q
 from ..plain.schedules import Schedule
-from .auth import HostCheck, LoginThrottle, Session, Sessions, same_secret
+from .auth import HostCheck, LoginThrottle, Session, Sessions, local_path, same_secret
 from .limits_page import limits_routes
 from .pages import operator_routes, queue_health, refresh_context
 from .run_pages import run_routes
@@ -100,8 +100,8 @@ class _Dashboard:
         """Whether actions exist at all (a token is set and not read-only)."""
         return not self.read_only and self.token is not None
 
-    def session(self, request: Request) -> Session | None:
-        return self.sessions.get(request.cookies.get(SESSION_COOKIE))
+    def session(self, request: Request, *, touch: bool = True) -> Session | None:
+        return self.sessions.get(request.cookies.get(SESSION_COOKIE), touch=touch)
 
     def token_ok(self, given: str) -> bool:
         return self.token is not None and same_secret(given, self.token)
@@ -113,7 +113,7 @@ class _Dashboard:
 
     def render(self, request: Request, name: str, status: int = 200,
                **context: Any) -> Response:
-        session = self.session(request)
+        session = self.session(request, touch=not _self_refresh(request))
         context.update(
             actions=self.actions and session is not None,
             can_login=self.actions and session is None,
@@ -143,15 +143,29 @@ def _confirmed(form: Any, what: str) -> None:
 
 def _back(form: Any, default: str = "/") -> str:
     """The page to go back to after an action: a local path only (no open redirect)."""
-    target = str(form.get("next") or default)
-    if not target.startswith("/") or target.startswith("//") or "\\" in target:
-        return default
-    return target
+    return local_path(str(form.get("next") or "") or None, default)
 
 
 def _redirect(target: str, **params: str) -> RedirectResponse:
     sep = "&" if "?" in target else "?"
     return RedirectResponse(target + (sep + urlencode(params) if params else ""), 303)
+
+
+def _self_refresh(request: Request) -> bool:
+    """
+    Whether a browser loads this page by itself, not for its user: a navigation
+    without user activation (no ``Sec-Fetch-User``), as the pages' own refresh
+    every few seconds is. That is not use of the session: an unattended tab
+    would keep its session alive until its lifetime ends.
+    """
+    headers = request.headers
+    return (request.method == "GET" and headers.get("sec-fetch-mode") == "navigate"
+            and "sec-fetch-user" not in headers)
+
+
+def cross_site(request: Request) -> bool:
+    """Whether a browser says another site's page sent this request."""
+    return request.headers.get("sec-fetch-site") == "cross-site"
 
 
 def _client(request: Request) -> str:
@@ -302,7 +316,9 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
 
     async def login_form(request: Request) -> Response:
         given = request.query_params.get("token")
-        if given is None or not dash.actions:
+        if given is None or not dash.actions or cross_site(request):
+            # Another site's page (an <img> pointing here) must not spend the
+            # address's failed logins and lock the operator out.
             return form_page(request)
         # The login URL printed at start-up: log in, then drop the token from
         # the address bar (and from history) with a redirect.
@@ -317,10 +333,13 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
     async def login(request: Request) -> Response:
         if not dash.actions:
             return PlainTextResponse("this dashboard is read-only", 403)
+        # The form first: the limit is checked and a failure counted with no
+        # wait between them, else every request waiting for its body has
+        # passed the check, and parallel guesses go past the limit.
+        form = await request.form()
         refused = throttled(request)
         if refused is not None:
             return refused
-        form = await request.form()
         expected = request.cookies.get(LOGIN_COOKIE)
         if not expected or not same_secret(str(form.get("login_csrf") or ""), expected):
             return form_page(request, status=403,

@@ -29,6 +29,7 @@ from ..admin.jobs import STATES, JobRefused
 from ..admin.status import queue_throughput, unserved_queues
 from ..db.database import Database
 from ..queue import Queue
+from .auth import local_path
 
 if TYPE_CHECKING:
     from .dashboard import _Dashboard
@@ -50,11 +51,6 @@ def refresh_context(request: Request) -> dict[str, Any]:
             "refresh_paused": paused, "here": here}
 
 
-def _local(target: str | None) -> str:
-    target = target or "/"
-    if not target.startswith("/") or target.startswith("//") or "\\" in target:
-        return "/"
-    return target
 
 
 async def queue_health(db: Database) -> dict[str, Any]:
@@ -68,7 +64,7 @@ def operator_routes(dash: _Dashboard, action: _Action) -> list[Route]:
     db = dash.db
 
     async def toggle_refresh(request: Request) -> Response:
-        response = RedirectResponse(_local(request.query_params.get("next")), 303)
+        response = RedirectResponse(local_path(request.query_params.get("next")), 303)
         if request.query_params.get("pause") == "1":
             response.set_cookie(REFRESH_COOKIE, "off", httponly=True, samesite="strict",
                                 path="/")
