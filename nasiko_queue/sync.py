@@ -46,7 +46,7 @@ def _format_style(statement: str) -> str:
 
 
 _ENQUEUE = _format_style(Q.enqueue_function)
-_ENQUEUE_MANY = _format_style(Q.enqueue_function_many)
+_ENQUEUE_MANY = _format_style(Q.enqueue_function_many_text)
 _NO_SECRETS = make_codec(None)
 
 

@@ -59,6 +59,26 @@ def test_psycopg_connection_and_cursor(dsn: str) -> None:
     assert jobs[kept] == ("email", json.loads(PayloadCodec().dumps(SendEmail(to="a@x"))), 5)
 
 
+def test_a_driver_that_reads_uuid_arrays_as_text(dsn: str) -> None:
+    """
+    psycopg2 reads a uuid[] as one string ('{a,b}') unless the application has
+    registered its uuid type (Django does): `enqueue_many` then parsed that
+    string's characters as ids and raised after the jobs were written, so a
+    caller that retried wrote them twice (found by a bug hunt). Here psycopg 3
+    is told to read uuid[] as psycopg2 does.
+    """
+    from psycopg.types.string import TextLoader
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        uuid_array = psycopg.types.TypeInfo.fetch(conn, "uuid[]")
+        assert uuid_array is not None
+        conn.adapters.register_loader(uuid_array.oid, TextLoader)
+        assert isinstance(conn.execute("SELECT ARRAY[gen_random_uuid()]").fetchone()[0], str)
+        ids = nq_sync.enqueue_many(conn, [SendEmail(to="p@x"), SendEmail(to="q@x")])
+    assert set(stored(dsn)) == set(ids)
+    assert len(ids) == 2
+
+
 def django_alias(dsn: str) -> Iterator[str]:
     """Django, configured once per process, with a database alias for `dsn`."""
     import django

@@ -2005,6 +2005,12 @@ SELECT nasiko_queue_enqueue($1, $2::jsonb, $3, $4, $5::timestamptz, $6, $7, $8::
 -- A batch: $1 a JSON array of jobs (see nasiko_queue_enqueue_many); the ids in order.
 SELECT nasiko_queue_enqueue_many($1::jsonb);
 
+-- name: enqueue_function_many_text
+-- `enqueue_function_many`, its ids as text[]: for any DB-API driver (`sync`).
+-- psycopg2 reads uuid[] as one string ('{a,b}') unless the application has
+-- registered its uuid type; it reads text[] as a list everywhere.
+SELECT nasiko_queue_enqueue_many($1::jsonb)::text[];
+
 -- ============================================================================
 -- Workflows (issue #22, migration 0018).
 

@@ -178,6 +178,7 @@ class Queries:
     build_finished_estimates: str
     enqueue_function: str
     enqueue_function_many: str
+    enqueue_function_many_text: str
     workflow_start: str
     workflow_cancel: str
     workflow_retry: str
