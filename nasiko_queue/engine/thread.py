@@ -22,7 +22,9 @@ import atexit
 import contextlib
 import logging
 import math
+import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -81,45 +83,76 @@ class WorkerThread:
 
     def start(self, *, timeout: float | None = 60.0) -> None:
         """Start the thread; return once the worker has started (its startup
-        recovery done), or raise what stopped it from starting."""
+        recovery done), or raise what stopped it from starting (the error
+        itself: a wrong DSN's, an unmigrated database's)."""
         self._thread.start()
         if not self._started.wait(timeout):
             self.stop(timeout=0)
             raise TimeoutError(f"the worker thread had not started after {timeout}s")
-        if self._error is not None or self.worker is None:
-            raise RuntimeError("the worker thread could not start") from self._error
+        if self._error is not None:
+            raise _unwrapped(self._error)
+        if self.worker is None:
+            raise RuntimeError("the worker thread was stopped before it had started")
         if self._stop_at_exit:
             # A daemon thread is frozen at exit, its jobs left for the rescue to
             # find a lease later; atexit runs before that: stop gracefully.
             atexit.register(self.stop)
+        # A forked child (gunicorn --preload) has this object but not the thread.
+        _STARTED.add(self)
 
     def stop(self, *, timeout: float | None = 30.0) -> None:
         """
         Stop gracefully and join: nothing more is claimed, the running jobs
         finish. Past `timeout` seconds (None: no limit) it stops hard: the jobs
-        still running are cancelled and go back to pending at once.
+        still running are cancelled and go back to pending at once, as they do
+        when the wait is interrupted (a second Ctrl-C during the exit's stop).
+        From inside the worker (an executor) it only asks for the graceful stop:
+        the thread cannot wait for itself.
+
+        Raises:
+            RuntimeError: the worker had stopped on an error of its own (its
+                cause): a supervisor should know the jobs were not being run.
         """
-        atexit.unregister(self.stop)
-        if not self._thread.is_alive():
+        self._stop_requested = True  # before anything: a start under way stops at once
+        if threading.current_thread() is self._thread:
+            if self.worker is not None:
+                self.worker.stop()
             return
-        self.request_stop()
-        self._thread.join(timeout)
+        atexit.unregister(self.stop)
         if self._thread.is_alive():
-            log.warning("the worker thread had not stopped after %ss; stopping it now "
-                        "(running jobs go back to pending)", timeout)
-            self._reachable.wait()
-            if self._scope is not None:
-                self._in_trio(self._scope.cancel)
-            self._thread.join()
+            self.request_stop()
+            try:
+                self._thread.join(timeout)
+            except BaseException:  # KeyboardInterrupt: stop hard, then let it go on
+                self._stop_hard("the wait for it was interrupted")
+                raise
+            if self._thread.is_alive():
+                self._stop_hard(f"it had not stopped after {timeout}s")
+        if self._error is not None and self.worker is not None:
+            raise RuntimeError("the worker thread had stopped on an error") \
+                from _unwrapped(self._error)
+
+    def _stop_hard(self, why: str) -> None:
+        log.warning("stopping the worker thread now (running jobs go back to pending): %s",
+                    why)
+        self._reachable.wait()
+        if self._scope is not None:
+            self._in_trio(self._scope.cancel)
+        self._thread.join()
 
     def request_stop(self) -> None:
-        """Ask for the graceful stop and return at once (it has taken effect: no
-        claim begins after it); `stop()` or `join()` waits for the running jobs."""
+        """Ask for the graceful stop and return at once, even while an executor
+        blocks the worker's loop (a sync ORM call): it takes effect as soon as
+        that loop runs, and no claim begins after it. `stop()` or `join()`
+        waits for the running jobs."""
         # Seen by the thread if the worker starts after this (it stops at once),
         # or the worker is already there to be stopped: either way, once.
         self._stop_requested = True
         if self.worker is not None:
-            self._in_trio(self.worker.stop)
+            if threading.current_thread() is self._thread:
+                self.worker.stop()
+            else:
+                self._in_trio(self.worker.stop)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to end; True if it has."""
@@ -149,10 +182,18 @@ class WorkerThread:
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run async function `fn(*args)` in the worker's trio loop and return its
-        value (a test's `worker.wait_for(...)`, a `queue.enqueue(...)`)."""
+        value (a test's `worker.wait_for(...)`, a `queue.enqueue(...)`).
+
+        Raises:
+            RuntimeError: the worker thread is not running, or stopped meanwhile
+                (not trio's own Cancelled, which an `except Exception` misses).
+        """
         if self._token is None:
             raise RuntimeError("the worker thread is not running")
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except (trio.Cancelled, trio.RunFinishedError):
+            raise RuntimeError("the worker thread stopped") from None
 
     @property
     def running(self) -> bool:
@@ -166,10 +207,20 @@ class WorkerThread:
         self.stop()
 
     def _in_trio(self, fn: Callable[[], None]) -> None:
+        """`fn()` in the worker's loop, as soon as it runs; not waited for (an
+        executor may block that loop for seconds)."""
         if self._token is None:
             return
         with contextlib.suppress(trio.RunFinishedError):  # it stopped by itself meanwhile
-            trio.from_thread.run_sync(fn, trio_token=self._token)
+            self._token.run_sync_soon(fn)
+
+    def _forked_off(self) -> None:
+        """In a child process forked after the start: the thread did not come
+        along (a fork copies only the thread that forks), so nothing here may
+        reach it; its worker goes on in the parent."""
+        self._token = None
+        self.worker = self.queue = None
+        atexit.unregister(self.stop)
 
     # -- the thread's side -------------------------------------------------------
 
@@ -178,7 +229,10 @@ class WorkerThread:
             trio.run(self._run)
         except BaseException as exc:
             self._error = exc
-            log.exception("the worker thread stopped on an error")
+            if self._started.is_set():  # after the start: only the log knows now
+                log.exception("the worker thread stopped on an error")
+            else:  # `start` raises it in the caller
+                log.debug("the worker thread could not start", exc_info=True)
         finally:
             self._reachable.set()
             self._started.set()
@@ -198,6 +252,26 @@ class WorkerThread:
                     if self._stop_requested:
                         worker.stop()
                     self._started.set()
+
+
+#: Worker threads started in this process, for `_after_fork`.
+_STARTED: weakref.WeakSet[WorkerThread] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for thread in list(_STARTED):
+        thread._forked_off()
+    _STARTED.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _unwrapped(exc: BaseException) -> BaseException:
+    """The one error inside nurseries' exception groups, or `exc` as it is."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def start_worker_thread(database: DatabaseConfig | str, executors: Executors, *,
