@@ -10,81 +10,39 @@ is migrated once into a template database; each test gets a copy of it
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
-import asyncpg
 import pytest
-import trio
 
-from nasiko_queue import Database, Queue, QueueConfig, SecretBox, migrate, open_database
-from nasiko_queue.db.embedded import EmbeddedPostgres, with_database
-
-_counter = itertools.count()
+from nasiko_queue import Database, Queue, QueueConfig, SecretBox, open_database
+from nasiko_queue.testing.pytest_plugin import database, server, template
 
 
 @pytest.fixture(scope="session")
 def admin_dsn() -> Iterator[str]:
-    dsn = os.environ.get("NASIKO_QUEUE_TEST_DSN") or os.environ.get("DATABASE_URL")
-    if dsn:
+    with server("NASIKO_QUEUE_TEST_DSN", "DATABASE_URL") as dsn:
         yield dsn
-        return
-    with EmbeddedPostgres() as server:
-        yield server.dsn
-
-
-def _admin(dsn: str, *statements: str) -> None:
-    async def run() -> None:
-        conn = await asyncpg.connect(dsn)
-        try:
-            for s in statements:
-                await conn.execute(s)
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
 
 
 @pytest.fixture(scope="session")
 def template_db(admin_dsn: str) -> Iterator[str]:
     """A migrated database that every test database is copied from."""
-    name = f"nqt_tpl_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    _admin(admin_dsn, f'CREATE DATABASE "{name}"')
-
-    async def do_migrate() -> None:
-        async with open_database(with_database(admin_dsn, name)) as db:
-            await migrate(db)
-
-    try:
-        trio.run(do_migrate)
+    with template(admin_dsn) as name:
         yield name
-    finally:
-        _admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
 def dsn(admin_dsn: str, template_db: str) -> Iterator[str]:
     """A DSN for a database of this test's own, already migrated."""
-    name = f"nqt_{os.getpid()}_{next(_counter)}"
-    _admin(admin_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    try:
-        yield with_database(admin_dsn, name)
-    finally:
-        _admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with database(admin_dsn, template_db) as test_dsn:
+        yield test_dsn
 
 
 @pytest.fixture
 def empty_dsn(admin_dsn: str) -> Iterator[str]:
     """A DSN for an empty, unmigrated database of this test's own."""
-    name = f"nqt_empty_{os.getpid()}_{next(_counter)}"
-    _admin(admin_dsn, f'CREATE DATABASE "{name}"')
-    try:
-        yield with_database(admin_dsn, name)
-    finally:
-        _admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with database(admin_dsn, prefix="nqt_empty") as test_dsn:
+        yield test_dsn
 
 
 #: Seconds-scale timers so that tests with a real database never wait long; the

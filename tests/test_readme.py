@@ -47,12 +47,11 @@ def _module(marker: str, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 
 #: The README's python blocks that are not programs, by first line, each with why.
-#: Every other block starts with ``# readme: NAME`` and is run by `test_readme_block_runs`.
-NOT_RUNNABLE = {
-    "# tests/test_my_queue.py — a pytest-trio test; `dsn` is a migrated database of its own":
-        "a sketch of the reader's own test: MyUpload and my_pipeline are theirs; "
-        "tests/test_statemachine_users.py is the complete version, and runs",
-}
+#: Every other block starts with ``# readme: NAME`` and is run by `test_readme_block_runs`
+#: (a program), or by `test_the_harness_block_passes_under_pytest` (a test file).
+NOT_RUNNABLE: dict[str, str] = {}
+#: Blocks that are a test file for pytest, not a program.
+PYTEST_BLOCKS = ("harness",)
 
 
 def _marker(block: str) -> str | None:
@@ -68,9 +67,10 @@ def test_every_python_block_runs_or_says_why_not() -> None:
     """A block is a program the test below runs, or a sketch named in NOT_RUNNABLE."""
     sketches = [b.splitlines()[0] for b in _python_blocks() if _marker(b) is None]
     assert sketches == list(NOT_RUNNABLE), "a README block is neither run nor excused"
-    assert (ROOT / "tests" / "test_statemachine_users.py").exists()
-    assert sorted(_runnable()) == sorted(_RUNS), "each runnable block needs its check here"
-    for block in map(_block, _runnable()):
+    programs = [m for m in _runnable() if m not in PYTEST_BLOCKS]
+    assert sorted(programs) == sorted(_RUNS), "each runnable block needs its check here"
+    assert all(m in _runnable() for m in PYTEST_BLOCKS)
+    for block in map(_block, programs):
         assert 'if __name__ == "__main__":' in block
         assert "nq.local_database()" in block  # DATABASE_URL, else a server of its own
 
@@ -164,7 +164,26 @@ async def _health_answers(stderr: str) -> None:
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
-@pytest.mark.parametrize("marker", _runnable())
+async def test_the_harness_block_passes_under_pytest(admin_dsn: str, tmp_path: Path) -> None:
+    """
+    The README's state machine over a user's own executor, saved as a test file
+    in a project of its own and run with `python -m pytest` as a reader would:
+    its database comes from the shipped plugin. (It used to be a sketch that
+    needed this project's own `dsn` fixture; found by a bug hunt of the harness.)
+    """
+    (tmp_path / "test_my_executor.py").write_text(_block("harness"))
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env.update(NASIKO_QUEUE_TEST_DSN=admin_dsn, PYTHONPATH=str(ROOT))
+    with trio.fail_after(PROGRAM_DEADLINE * 3):
+        done = await trio.run_process(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+            cwd=tmp_path, env=env, capture_stdout=True, capture_stderr=True, check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, out + done.stderr.decode()
+    assert "1 passed" in out
+
+
+@pytest.mark.parametrize("marker", [m for m in _runnable() if m not in PYTEST_BLOCKS])
 async def test_readme_block_runs(marker: str, dsn: str, tmp_path: Path) -> None:
     """Each python block of the README, saved as a file and run with `python` as a
     reader would (DATABASE_URL set, no master key), exits 0; a block that runs until

@@ -221,6 +221,12 @@ async def run_machine(
         except BaseException as exc:
             if _any_flaky(exc):
                 _note_failures(exc, env)
+            if isinstance(exc, Exception):
+                # Hypothesis says to put the blob on "your test function"; here
+                # that is the machine, which the runner builds its test from.
+                exc.add_note(f"To replay this failure: put the @reproduce_failure(...) "
+                             f"line printed above on the machine class "
+                             f"({machine.__name__}), not on the test function.")
             raise
 
 
