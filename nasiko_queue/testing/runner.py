@@ -132,12 +132,17 @@ class DatabaseMachine(RuleBasedStateMachine):
 
         try:
             return trio.from_thread.run(bounded)
-        except trio.TooSlowError:
+        except trio.TooSlowError as exc:
             # Logged here because Hypothesis may not show it: when the example's
             # replay then fails earlier (a later step waiting on what this one
             # left), it reports inconsistent data generation instead.
+            step = getattr(fn, "__qualname__", fn)
             log.warning("machine step %s did not end within the rule timeout (%.1f s)",
-                        getattr(fn, "__qualname__", fn), self.env.rule_timeout)
+                        step, self.env.rule_timeout)
+            exc.add_note(f"machine step {step} did not end within {self.env.rule_timeout} s: "
+                         "most often an executor that never returned without saying so "
+                         "(for Outcome.HANG, `await world.hang()`), or one that ran longer "
+                         "than the step allows (run_queue_state_machine's rule_timeout)")
             raise
 
     @initialize()
