@@ -587,15 +587,9 @@ async def test_a_parents_retry_retries_its_failed_child_keeping_its_completed_st
     assert calls == ["flaky"]
 
 
-async def test_a_child_retried_on_its_own_is_waited_for_and_cancelled_with_its_parent(
-    queue: Queue,
-) -> None:
-    """
-    The failed child was retried on its own, then its parent: the parent's
-    retry started a second child and left the first running with no parent
-    waiting for it, and cancelling the parent did not reach it (found by a bug
-    hunt). The parent now waits for the child that runs, and a cancel reaches it.
-    """
+async def _a_child_retried_on_its_own(queue: Queue) -> tuple[UUID, UUID]:
+    """A parent whose child failed (so did the parent) and was retried on its
+    own: the parent's and the child's run ids."""
     parent = Workflow("keeper")
     parent.child("sub", _two_step_child([]))
     run_id = await queue.start(parent)
@@ -605,6 +599,19 @@ async def test_a_child_retried_on_its_own_is_waited_for_and_cancelled_with_its_p
     assert child_id is not None
     await queue.db.execute(END_STEP_JOB, child_id, "discarded", "ValueError: early")
     assert await queue.retry_run(child_id) == "retried"
+    return run_id, child_id
+
+
+async def test_a_child_retried_on_its_own_is_waited_for_and_cancelled_with_its_parent(
+    queue: Queue,
+) -> None:
+    """
+    The failed child was retried on its own, then its parent: the parent's
+    retry started a second child and left the first running with no parent
+    waiting for it, and cancelling the parent did not reach it (found by a bug
+    hunt). The parent now waits for the child that runs, and a cancel reaches it.
+    """
+    run_id, child_id = await _a_child_retried_on_its_own(queue)
     assert await queue.retry_run(run_id) == "retried"
     view = await queue.run(run_id)
     assert view is not None
@@ -755,15 +762,7 @@ async def test_a_child_whose_step_runs_does_not_hold_back_its_parents_retry(
     stop, so the parent's retry waits for the child instead of being refused
     for as long as the step runs (a review's finding).
     """
-    parent = Workflow("keeper")
-    parent.child("sub", _two_step_child([]))
-    run_id = await queue.start(parent)
-    view = await queue.run(run_id)
-    assert view is not None
-    child_id = view.step("sub").child_run
-    assert child_id is not None
-    await queue.db.execute(END_STEP_JOB, child_id, "discarded", "ValueError: early")
-    assert await queue.retry_run(child_id) == "retried"
+    run_id, child_id = await _a_child_retried_on_its_own(queue)
     await queue.db.execute("UPDATE nasiko_queue_jobs SET state = 'running', attempt = 1 "
                            "WHERE workflow_run = $1 AND state = 'available'", child_id)
     assert await queue.retry_run(run_id) == "retried"
