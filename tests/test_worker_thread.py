@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import ClassVar
 
 import attrs
@@ -170,6 +171,69 @@ def test_an_interrupted_stop_still_puts_the_running_job_back(
         row = conn.execute("SELECT state, attempt FROM nasiko_queue_jobs WHERE id = %s",
                            (job_id,)).fetchone()
     assert row == ("available", 1)
+
+
+def _child_calls_raise(calls: list[Callable[[], object]]) -> int:
+    """In a forked child: 0 if every call raised RuntimeError, else 1 + the
+    index of the first that did not (returned, or raised something else)."""
+    for index, call in enumerate(calls):
+        try:
+            call()
+        except RuntimeError:
+            continue
+        except BaseException:
+            return 1 + index
+        return 1 + index
+    return 0
+
+
+async def _exit_code_of_child(pid: int) -> int:
+    ended: list[int] = []
+    waiter = threading.Thread(target=lambda: ended.append(os.waitpid(pid, 0)[1]))
+    waiter.start()
+    await trio.to_thread.run_sync(waiter.join, TEST_DEADLINE)
+    if not ended:
+        os.kill(pid, signal.SIGKILL)
+    assert ended
+    return os.waitstatus_to_exitcode(ended[0])
+
+
+async def test_a_forked_childs_stop_raises_as_the_readme_says(dsn: str) -> None:
+    """In a child forked after the start, `stop()`, `request_stop()` and `join()`
+    returned silently (the child's copy of the thread says it has ended), as if
+    the worker had stopped; the README says a forked child's calls raise
+    `RuntimeError`, as `wait_for()` and `run()` did."""
+    thread = nq.start_worker_thread(dsn, _chores(), config=FAST, stop_at_exit=False)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report, and leave without running any cleanup
+            try:
+                os._exit(_child_calls_raise([
+                    lambda: thread.stop(timeout=1), thread.request_stop,
+                    lambda: thread.join(1), lambda: thread.wait_for(lambda stats: True),
+                ]))
+            finally:
+                os._exit(9)
+        assert await _exit_code_of_child(pid) == 0
+        assert thread.running  # the parent's worker goes on, its stop still its own
+    finally:
+        await trio.to_thread.run_sync(thread.stop)
+    assert not thread.running
+
+
+async def test_a_child_forked_after_the_stop_stops_as_the_parent_does(dsn: str) -> None:
+    """A thread that had ended before the fork is not the parent's running
+    worker: the child's `stop()` returns, as the parent's would."""
+    thread = nq.start_worker_thread(dsn, _chores(), config=FAST, stop_at_exit=False)
+    await trio.to_thread.run_sync(thread.stop)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            thread.stop(timeout=1)
+            os._exit(0 if thread.join(1) else 1)
+        finally:
+            os._exit(9)
+    assert await _exit_code_of_child(pid) == 0
 
 
 async def test_a_forked_child_cannot_reach_the_parents_worker(dsn: str) -> None:

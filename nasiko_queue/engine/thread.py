@@ -76,6 +76,8 @@ class WorkerThread:
         self._reachable = threading.Event()
         self._started = threading.Event()
         self._stop_requested = False
+        #: Set in a child process forked while the thread ran: see `_forked_off`.
+        self._forked = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
@@ -111,8 +113,10 @@ class WorkerThread:
 
         Raises:
             RuntimeError: the worker had stopped on an error of its own (its
-                cause): a supervisor should know the jobs were not being run.
+                cause): a supervisor should know the jobs were not being run;
+                or this is a process forked after the start (see `_forked_off`).
         """
+        self._not_forked()
         self._stop_requested = True  # before anything: a start under way stops at once
         if threading.current_thread() is self._thread:
             if self.worker is not None:
@@ -144,7 +148,12 @@ class WorkerThread:
         """Ask for the graceful stop and return at once, even while an executor
         blocks the worker's loop (a sync ORM call): it takes effect as soon as
         that loop runs, and no claim begins after it. `stop()` or `join()`
-        waits for the running jobs."""
+        waits for the running jobs.
+
+        Raises:
+            RuntimeError: this is a process forked after the start.
+        """
+        self._not_forked()
         # Seen by the thread if the worker starts after this (it stops at once),
         # or the worker is already there to be stopped: either way, once.
         self._stop_requested = True
@@ -155,7 +164,12 @@ class WorkerThread:
                 self._in_trio(self.worker.stop)
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the thread to end; True if it has."""
+        """Wait for the thread to end; True if it has.
+
+        Raises:
+            RuntimeError: this is a process forked after the start.
+        """
+        self._not_forked()
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -168,6 +182,7 @@ class WorkerThread:
         Raises:
             TimeoutError: it did not hold within `timeout` seconds.
         """
+        self._not_forked()
         worker = self.worker
         if worker is None:
             raise RuntimeError("the worker thread is not running")
@@ -188,6 +203,7 @@ class WorkerThread:
             RuntimeError: the worker thread is not running, or stopped meanwhile
                 (not trio's own Cancelled, which an `except Exception` misses).
         """
+        self._not_forked()
         if self._token is None:
             raise RuntimeError("the worker thread is not running")
         try:
@@ -217,10 +233,20 @@ class WorkerThread:
     def _forked_off(self) -> None:
         """In a child process forked after the start: the thread did not come
         along (a fork copies only the thread that forks), so nothing here may
-        reach it; its worker goes on in the parent."""
+        reach it; its worker goes on in the parent. The child's copy of the
+        `threading.Thread` says it has ended, so without `_forked` its `stop()`
+        and `join()` would return as if the worker had stopped: a gunicorn
+        --preload app would believe it had stopped a worker it never had."""
+        self._forked = True
         self._token = None
         self.worker = self.queue = None
         atexit.unregister(self.stop)
+
+    def _not_forked(self) -> None:
+        if self._forked:
+            raise RuntimeError(
+                "this process was forked after the worker thread started: the thread "
+                "and its worker are the parent's; start one in this process instead")
 
     # -- the thread's side -------------------------------------------------------
 
@@ -234,6 +260,8 @@ class WorkerThread:
             else:  # `start` raises it in the caller
                 log.debug("the worker thread could not start", exc_info=True)
         finally:
+            # Ended: a child forked from now on has nothing of it to miss.
+            _STARTED.discard(self)
             self._reachable.set()
             self._started.set()
 
