@@ -148,8 +148,15 @@ async def test_a_runs_view_has_its_steps_in_dag_order_with_every_jobs_attempts(
     assert job.seconds is not None
     assert job.seconds >= 0
     assert run.step("publish").jobs == ()
-    # Results as job results are shown: the sealed credential masked.
-    assert check.result == [{"part": "a", "key": MASK}, {"part": "b", "key": MASK}]
+    # Results as job results are shown: the sealed credential masked. A mapped
+    # step's result (every item's, as large as the fan-out) is not read: its
+    # items on the page carry theirs.
+    assert check.result is None
+    assert [i.result for i in check.items] == [{"part": "a", "key": MASK},
+                                               {"part": "b", "key": MASK}]
+    assert (check.item_states, check.job_states) == ({"completed": 2}, {"completed": 2})
+    assert run.step("summarise").job_states == {"discarded": 1}
+    assert run.next_cursor is None  # 4 jobs: one page
     assert SECRET not in json.dumps(run.to_json())
     assert SEALED not in json.dumps(run.to_json())
 
@@ -277,9 +284,141 @@ async def test_the_listing_and_a_runs_view_read_by_index(db: Database) -> None:
             "EXPLAIN " + Q.workflow_runs_list, None, None, None, None, 50))
         assert "nasiko_queue_workflow_runs_started" in plan
         assert "Sort" not in plan.split("Nested Loop")[0]
-        plan = "\n".join(r[0] for r in await tx.fetch("EXPLAIN " + Q.workflow_run_jobs,
-                                                      uuid.uuid4()))
-        assert "nasiko_queue_jobs_workflow_run" in plan
+        plan = "\n".join(r[0] for r in await tx.fetch("EXPLAIN " + Q.workflow_run_jobs_page,
+                                                      uuid.uuid4(), None, None, None, 50))
+        # A page of a run's jobs in the order of migration 0035's index: no sort.
+        assert "nasiko_queue_jobs_workflow_run_page" in plan
+        assert "Sort" not in plan.split("Nested Loop")[0]
+
+
+def fan_workflow(items: int) -> Workflow:
+    """plan → each (once per item of plan's list of `items`)."""
+    wf = Workflow("fan")
+
+    @wf.step()
+    async def plan(ctx: StepContext) -> list[int]:
+        return list(range(items))
+
+    @wf.step(map_over=plan)
+    async def each(ctx: StepContext) -> dict[str, Any]:
+        return {"item": ctx.item, "key": SEALED}
+
+    return wf
+
+
+async def fanned_run(db: Database, items: int = 7) -> UUID:
+    """A completed run of `fan_workflow(items)`: 1 + `items` step jobs; item 0's
+    job with 5 kept errors (written in SQL: the view reads what is kept)."""
+    queue = Queue(db, config=CONFIG)
+    wf = fan_workflow(items)
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)) as worker:
+        await worker.wait_for(lambda s: s.done >= 1 + items)
+    await db.execute(
+        "INSERT INTO nasiko_queue_job_errors (job_id, attempt, reason, error_type, message, "
+        "traceback) SELECT s.job_id, a, 'crash', 'builtins.OSError', 'try ' || a, '' "
+        "FROM nasiko_queue_workflow_steps AS s, generate_series(1, 5) AS a "
+        "WHERE s.run_id = $1 AND s.step = 'each' AND s.idx = 0", run_id)
+    return run_id
+
+
+async def test_a_runs_view_is_paged_and_its_counts_are_exact(db: Database) -> None:
+    """A run's view sent every job the run ever had with every kept error: a
+    20,000-item fan-out was 20,001 jobs and 40,000 errors in one answer. It is
+    read a page at a time, each job with its last errors; the counts are the
+    run's, on every page."""
+    run_id = await fanned_run(db)
+    seen: list[tuple[str, int]] = []
+    after = None
+    pages = 0
+    while True:
+        run = await run_detail(db, run_id, limit=3, after=after)
+        assert run is not None
+        pages += 1
+        page = [(s.name, j.index) for s in run.steps for j in s.jobs]
+        assert len(page) <= 3
+        seen += page
+        each = run.step("each")
+        assert (each.item_count, each.item_states, each.job_states) == (
+            7, {"completed": 7}, {"completed": 7})
+        assert (run.step("plan").job_states, each.attempts) == ({"completed": 1}, 7)
+        assert each.started_at is not None
+        assert each.finished_at is not None
+        assert [i.index for i in each.items] == [j.index for j in each.jobs]
+        assert all(i.result == {"item": i.index, "key": MASK} for i in each.items)
+        if run.next_cursor is None:
+            break
+        after = run.next_cursor
+    # Every job once, oldest first, a fan-out's in item order.
+    assert (pages, seen) == (3, [("plan", 0)] + [("each", i) for i in range(7)])
+    first = await run_detail(db, run_id, limit=2)
+    assert first is not None
+    (item0,) = [j for j in first.step("each").jobs if j.index == 0]
+    assert ([e.message for e in item0.errors], item0.more_errors) == (
+        ["try 3", "try 4", "try 5"], True)
+    with pytest.raises(ValueError, match="not a cursor of a run's jobs"):
+        await run_detail(db, run_id, after="nonsense")
+    with pytest.raises(ValueError, match="limit must be"):
+        await run_detail(db, run_id, limit=0)
+
+
+async def test_the_dashboards_run_page_is_paged_with_a_next_link(db: Database) -> None:
+    run_id = await fanned_run(db)
+    app = dashboard_app(db, token=TOKEN, config=CONFIG)
+    async with await _client(app) as client:
+        r = await client.get(f"/runs/{run_id}?limit=3")
+        assert r.status_code == 200
+        view = r.text
+        assert view.count('class="step-job') == 3
+        assert "7 item(s): 7 completed; 7 job(s): 7 completed (2 on this page)" in view
+        assert "attempt 5 crash" in view
+        assert "attempt 2 crash" not in view  # item 0's earlier errors: on its own page
+        assert f'<a href="/jobs/{await _job_of(db, run_id, 0)}">earlier errors</a>' in view
+        assert SEALED not in view
+        pages = [view]
+        while 'rel="next"' in view:
+            link = view.split('<a rel="next" href="')[1].split('"')[0].replace("&amp;", "&")
+            assert link.startswith(f"/runs/{run_id}?")
+            view = (await client.get(link)).text
+            assert "7 item(s): 7 completed; 7 job(s): 7 completed" in view
+            pages.append(view)
+        assert [p.count('class="step-job') for p in pages] == [3, 3, 2]
+        assert "First page" in pages[-1]
+        # The default page holds all 8; a page asked bigger than the cap is capped.
+        whole = (await client.get(f"/runs/{run_id}")).text
+        assert whole.count('class="step-job') == 8
+        assert 'rel="next"' not in whole
+        assert "A page shows at most" in (await client.get(f"/runs/{run_id}?limit=999")).text
+        assert (await client.get(f"/runs/{run_id}?after=bogus")).status_code == 400
+        assert (await client.get(f"/runs/{run_id}?limit=0")).status_code == 400
+
+
+async def _job_of(db: Database, run_id: UUID, idx: int) -> UUID:
+    job: UUID = await db.fetchval("SELECT job_id FROM nasiko_queue_workflow_steps "
+                                  "WHERE run_id = $1 AND step = 'each' AND idx = $2",
+                                  run_id, idx)
+    return job
+
+
+def test_the_clis_run_is_paged_too(runner: CliRunner, dsn: str) -> None:  # noqa: F811
+    run_id = with_db(dsn, fanned_run)
+    shown = invoke(runner, "run", str(run_id), "--dsn", dsn, "--limit", "3")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.stdout.splitlines()
+    assert "    each ← plan  [completed] once per item of plan: 7 item(s)" in lines
+    assert "        items: 7 completed" in lines
+    assert "        jobs: 7 completed (2 on this page)" in lines
+    assert sum(" item " in line and line.strip().startswith("job ") for line in lines) == 2
+    (more,) = [line for line in lines if line.startswith("more jobs: --after ")]
+    cursor = more.removeprefix("more jobs: --after ")
+    page = json.loads(invoke(runner, "run", str(run_id), "--dsn", dsn, "--limit", "3",
+                             "--after", cursor, "--json").stdout)
+    assert [j["index"] for j in page["steps"][1]["jobs"]] == [2, 3, 4]
+    assert page["steps"][1]["job_states"] == {"completed": 7}
+    assert page["next"] is not None
+    bad = invoke(runner, "run", str(run_id), "--dsn", dsn, "--after", "x")
+    assert bad.exit_code == 2
+    assert "not a cursor" in bad.stderr
 
 
 # -- /metrics ---------------------------------------------------------------------

@@ -3,9 +3,14 @@ Workflow runs as an operator sees them (issue #22, "see and steer runs"): list
 runs, show one run's steps with every attempt of their jobs, cancel and retry
 runs (`nasiko-queue runs ...`, `nasiko-queue run ID`, the dashboard's Runs pages).
 
-A run's view is read, not computed: its row, its step rows, and its step jobs
-(every job each step ever had: a run's retry gives a failed step a new job and
-keeps the old one, whose attempts and errors are the story of the failure).
+A run's view is read, not computed: its row, its steps' head rows, and its
+step jobs (every job each step ever had: a run's retry gives a failed step a
+new job and keeps the old one, whose attempts and errors are the story of the
+failure). The jobs come a page at a time (`JOBS_PER_PAGE`, each with its last
+`ERRORS_PER_JOB` errors): a fan-out of 20,000 items is 20,000 jobs. What the
+view says of the run as a whole (each step's jobs and items by state, its
+attempts, its first claim and last end) is counted over all of them, whatever
+the page.
 Inputs, results and step results are JSON an application wrote; they may hold
 sealed tokens, so they are shown masked exactly as job payloads and results are
 (`admin.view.masked_json`): an operator's terminal is not the place for them.
@@ -34,14 +39,19 @@ from .jobs import record
 from .operator import JobEvent, job_events
 from .view import masked_json
 
-__all__ = ["DEFAULT_LIMIT", "STATES", "RunDetail", "RunFilter", "RunNotFound", "RunRefused",
-           "RunSummary", "StepDetail", "StepItem", "StepJob", "cancel_run", "list_runs",
-           "retry_run", "run_detail"]
+__all__ = ["DEFAULT_LIMIT", "ERRORS_PER_JOB", "JOBS_PER_PAGE", "STATES", "RunDetail",
+           "RunFilter", "RunNotFound", "RunRefused", "RunSummary", "StepDetail", "StepItem",
+           "StepJob", "cancel_run", "list_runs", "retry_run", "run_detail"]
 
 #: A run's states (migration 0018).
 STATES = ("running", "completed", "failed", "cancelled")
 #: Default page size of a listing.
 DEFAULT_LIMIT = 50
+#: Default number of step jobs on a page of a run's view.
+JOBS_PER_PAGE = 50
+#: A job on a page of a run's view shows its last this many errors (its own
+#: page, all of them).
+ERRORS_PER_JOB = 3
 
 
 class RunNotFound(NoSuchRun):
@@ -148,8 +158,11 @@ class StepJob:
     claimed_by: UUID | None
     #: What its function returned, masked; None: nothing (yet).
     result: Any
-    #: Every crashed or timed-out attempt's error, oldest first.
+    #: Its last crashed or timed-out attempts' errors (`ERRORS_PER_JOB` at
+    #: most), oldest first.
     errors: tuple[JobError, ...]
+    #: Whether it has earlier errors than these (its own page shows them all).
+    more_errors: bool = False
     #: Whether it is its step's job now (False: a run's retry replaced it).
     live: bool
 
@@ -184,7 +197,8 @@ class StepItem:
 
 @attrs.frozen(kw_only=True)
 class StepDetail:
-    """One step of a run: its definition's shape, its state and its jobs."""
+    """One step of a run: its definition's shape, its state, its counts (of all
+    its jobs and items) and its jobs and items on the view's page."""
 
     name: str
     #: "job", "signal" (waits for a signal) or "child" (waits for a child run).
@@ -201,35 +215,38 @@ class StepDetail:
     error: str | None
     #: A child step's run.
     child_run: UUID | None
-    #: A mapped step's items (empty for any other step).
+    #: A mapped step's items whose live jobs are on this page (empty for any
+    #: other step).
     items: tuple[StepItem, ...]
-    #: Every job it had, oldest first.
+    #: Its jobs on this page, oldest first.
     jobs: tuple[StepJob, ...]
+    #: All its jobs by state, and a mapped step's items by state (exact, for
+    #: the whole run: not the page's).
+    job_states: dict[str, int] = attrs.field(factory=dict)
+    item_states: dict[str, int] = attrs.field(factory=dict)
+    #: Attempts of all its jobs.
+    attempts: int = 0
+    #: When its first job's last attempt was claimed (of all its jobs).
+    started_at: datetime | None = None
+    #: When its last job ended (of all its jobs), once it is over (completed,
+    #: failed, cancelled).
+    finished_at: datetime | None = None
 
     @property
-    def started_at(self) -> datetime | None:
-        """When its first job's last attempt was claimed."""
-        times = [j.attempted_at for j in self.jobs if j.attempted_at is not None]
-        return min(times) if times else None
+    def job_count(self) -> int:
+        """How many jobs it had, all pages."""
+        return sum(self.job_states.values())
 
     @property
-    def finished_at(self) -> datetime | None:
-        """When its last job ended, once it is over (completed, failed, cancelled)."""
-        times = [j.finished_at for j in self.jobs if j.finished_at is not None]
-        if self.state in ("blocked", "enqueued", "waiting") or not times:
-            return None
-        return max(times)
+    def item_count(self) -> int:
+        """How many items a mapped step has (0 for any other step)."""
+        return sum(self.item_states.values())
 
     @property
     def seconds(self) -> float | None:
         """From its first attempt's claim to its end (None while it is not over)."""
         start, end = self.started_at, self.finished_at
         return None if start is None or end is None else (end - start).total_seconds()
-
-    @property
-    def attempts(self) -> int:
-        """Attempts of all its jobs."""
-        return sum(j.attempt for j in self.jobs)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "after": list(self.after),
@@ -238,7 +255,8 @@ class StepDetail:
                 "child_run": plain_json(self.child_run),
                 "started_at": plain_json(self.started_at),
                 "finished_at": plain_json(self.finished_at), "seconds": self.seconds,
-                "attempts": self.attempts,
+                "attempts": self.attempts, "job_states": dict(self.job_states),
+                "item_states": dict(self.item_states),
                 "items": [i.to_json() for i in self.items],
                 "jobs": [j.to_json() for j in self.jobs]}
 
@@ -264,6 +282,8 @@ class RunDetail:
     steps: tuple[StepDetail, ...]
     #: Operators' cancels and retries, oldest first.
     events: tuple[JobEvent, ...]
+    #: Pass as `after=` for the next page of its jobs; None: this page is the last.
+    next_cursor: str | None = None
 
     def step(self, name: str) -> StepDetail:
         for s in self.steps:
@@ -280,11 +300,17 @@ class RunDetail:
 
     def to_json(self) -> dict[str, Any]:
         view = {f.name: plain_json(getattr(self, f.name)) for f in attrs.fields(RunDetail)
-                if f.name not in ("steps", "events")}
+                if f.name not in ("steps", "events", "next_cursor")}
         view["steps"] = [s.to_json() for s in self.steps]
         view["events"] = [{"at": plain_json(e.at), "action": e.action, "actor": e.actor,
                            "detail": e.detail} for e in self.events]
+        view["next"] = self.next_cursor
         return view
+
+    @property
+    def running_jobs(self) -> int:
+        """Its step jobs running now (all pages)."""
+        return sum(s.job_states.get("running", 0) for s in self.steps)
 
 
 def _depths(defs: Sequence[dict[str, Any]]) -> dict[str, int]:
@@ -295,60 +321,119 @@ def _depths(defs: Sequence[dict[str, Any]]) -> dict[str, int]:
     return depth
 
 
-async def run_detail(db: Database, run_id: UUID) -> RunDetail | None:
-    """Run `run_id` with its steps, their jobs and their kept errors; None: no such run."""
+def _job_cursor(row: Any) -> str:
+    return f"{row['created_at'].isoformat()}|{row['idx']}|{row['id']}"
+
+
+def _parse_job_cursor(cursor: str) -> tuple[datetime, int, UUID]:
+    try:
+        at, idx, job_id = cursor.split("|")
+        return datetime.fromisoformat(at), int(idx), UUID(job_id)
+    except ValueError:
+        raise ValueError(f"{cursor!r} is not a cursor of a run's jobs") from None
+
+
+@attrs.frozen
+class _Counts:
+    """A step's exact counts, from `workflow_run_counts`."""
+
+    jobs: dict[str, int] = attrs.Factory(dict)
+    items: dict[str, int] = attrs.Factory(dict)
+    attempts: int = 0
+    started: datetime | None = None
+    finished: datetime | None = None
+
+
+async def _counts(db: Database, run_id: UUID) -> dict[str, _Counts]:
+    counts: dict[str, _Counts] = {}
+    for c in await db.fetch(Q.workflow_run_counts, run_id):
+        old = counts.get(c["step"], _Counts())
+        if c["kind"] == "item":
+            counts[c["step"]] = attrs.evolve(old, items={**old.items, c["state"]: c["n"]})
+            continue
+        started = [t for t in (old.started, c["first_attempted_at"]) if t is not None]
+        finished = [t for t in (old.finished, c["last_finished_at"]) if t is not None]
+        counts[c["step"]] = attrs.evolve(
+            old, jobs={**old.jobs, c["state"]: c["n"]}, attempts=old.attempts + c["attempts"],
+            started=min(started, default=None), finished=max(finished, default=None))
+    return counts
+
+
+async def run_detail(db: Database, run_id: UUID, *, limit: int = JOBS_PER_PAGE,
+                     after: str | None = None) -> RunDetail | None:
+    """
+    Run `run_id` with its steps and one page of their jobs (at most `limit`,
+    oldest first, each with its last `ERRORS_PER_JOB` kept errors); None: no such
+    run. Pass the view's `next_cursor` as `after` for the next page. Each step's
+    counts, attempts and times are of all its jobs, whatever the page.
+
+    Raises:
+        ValueError: `limit` < 1, or `after` is not a cursor of a run's jobs.
+    """
+    if limit < 1:
+        raise ValueError("limit must be >= 1")
+    at, last_idx, last_id = _parse_job_cursor(after) if after is not None else (None, None, None)
     row = await db.fetchrow(Q.workflow_show, run_id)
     if row is None:
         return None
-    rows = await db.fetch(Q.workflow_get_steps, run_id)
-    job_rows = await db.fetch(Q.workflow_run_jobs, run_id)
+    heads = {h["step"]: h for h in await db.fetch(Q.workflow_step_heads, run_id)}
+    counts = await _counts(db, run_id)
+    job_rows = await db.fetch(Q.workflow_run_jobs_page, run_id, at, last_idx, last_id, limit)
     errors: dict[UUID, list[JobError]] = {}
     if job_rows:
-        for e in await db.fetch(Q.job_errors_of_many, [j["id"] for j in job_rows]):
+        for e in await db.fetch(Q.job_errors_last_of_many, [j["id"] for j in job_rows],
+                                ERRORS_PER_JOB + 1):
             errors.setdefault(e["job_id"], []).append(JobError(
                 attempt=e["attempt"], reason=e["reason"], error_type=e["error_type"],
                 message=e["message"], traceback=e["traceback"], at=e["at"],
                 worker_id=e["worker_id"]))
-    live = {s["job_id"] for s in rows if s["job_id"] is not None}
+    defs: list[dict[str, Any]] = json.loads(row["steps"])
+    mapped_steps = {d["name"] for d in defs if d.get("map_over") is not None}
+    live = {h["job_id"] for h in heads.values() if h["job_id"] is not None}
     jobs: dict[str, list[StepJob]] = {}
+    items: dict[str, list[StepItem]] = {}
     for j in job_rows:
+        latest = errors.get(j["id"], [])  # newest first
         jobs.setdefault(j["step"], []).append(StepJob(
             id=j["id"], index=j["idx"], queue=j["queue"], state=j["state"],
             attempt=j["attempt"], max_attempts=j["max_attempts"], error_msg=j["error_msg"],
             created_at=j["created_at"], run_at=j["run_at"], attempted_at=j["attempted_at"],
             finished_at=j["finished_at"], claimed_by=j["claimed_by"],
-            result=masked_json(j["result"]), errors=tuple(errors.get(j["id"], ())),
-            live=j["id"] in live))
-    by_step: dict[str, list[Any]] = {}
-    for s in rows:
-        by_step.setdefault(s["step"], []).append(s)
-    defs: list[dict[str, Any]] = json.loads(row["steps"])
+            result=masked_json(j["result"]),
+            errors=tuple(reversed(latest[:ERRORS_PER_JOB])),
+            more_errors=len(latest) > ERRORS_PER_JOB,
+            live=j["id"] in live or j["item_state"] is not None))
+        if j["item_state"] is not None and j["step"] in mapped_steps:
+            items.setdefault(j["step"], []).append(StepItem(
+                index=j["idx"], state=j["item_state"], result=masked_json(j["item_result"]),
+                error=j["item_error"], job_id=j["id"]))
     depth = _depths(defs)
     steps = []
     for d in defs:
-        own = by_step.get(d["name"], [])
-        head = own[0] if own else None  # a mapped step's head (idx -1) sorts first
+        head = heads.get(d["name"])
         mapped = d.get("map_over") is not None
+        count = counts.get(d["name"], _Counts())
+        state = head["state"] if head else "blocked"
         steps.append(StepDetail(
             name=d["name"], kind=d.get("kind", "job"), after=tuple(d.get("after") or ()),
-            map_over=d.get("map_over"), depth=depth[d["name"]],
-            state=head["state"] if head else "blocked",
+            map_over=d.get("map_over"), depth=depth[d["name"]], state=state,
             result=masked_json(head["result"]) if head else None,
             error=head["error"] if head else None,
             child_run=head["child_run"] if head else None,
-            items=tuple(StepItem(index=s["idx"], state=s["state"],
-                                 result=masked_json(s["result"]), error=s["error"],
-                                 job_id=s["job_id"])
-                        for s in own if mapped and s["idx"] >= 0),
-            jobs=tuple(sorted(jobs.get(d["name"], ()),
-                              key=lambda j: (j.created_at, j.index)))))
+            items=tuple(sorted(items.get(d["name"], ()), key=lambda i: i.index)),
+            jobs=tuple(jobs.get(d["name"], ())),
+            job_states=count.jobs, item_states=count.items if mapped else {},
+            attempts=count.attempts, started_at=count.started,
+            finished_at=None if state in ("blocked", "enqueued", "waiting")
+            else count.finished))
     return RunDetail(
         id=row["id"], workflow=row["workflow"], state=row["state"],
         input=masked_json(row["input"]), result=masked_json(row["result"]),
         failed_step=row["failed_step"], error=row["error"], unique_key=row["unique_key"],
         parent_run=row["parent_run"], parent_step=row["parent_step"],
         created_at=row["created_at"], finished_at=row["finished_at"], steps=tuple(steps),
-        events=tuple(await job_events(db, run_id)))
+        events=tuple(await job_events(db, run_id)),
+        next_cursor=_job_cursor(job_rows[-1]) if len(job_rows) == limit else None)
 
 
 # -- steer ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ..admin.runs import (
     DEFAULT_LIMIT,
+    JOBS_PER_PAGE,
     STATES,
     RunDetail,
     RunFilter,
@@ -60,12 +61,18 @@ def _job_lines(job: StepJob, pad: str, mapped: bool) -> list[str]:
     replaced = "" if job.live else " (replaced by a retry of the run)"
     lines = [f"{pad}job {job.id}{item}: {job.state}, attempt {job.attempt}/{job.max_attempts},"
              f" {_clock(job.attempted_at)} → {_clock(job.finished_at)}{took}{replaced}"]
+    if job.more_errors:
+        lines.append(f"{pad}  (earlier errors: nasiko-queue job {job.id})")
     for e in job.errors:
         lines.append(f"{pad}  attempt {e.attempt} {e.reason} at {_clock(e.at)}: "
                      f"{e.error_type}: {e.message.splitlines()[0] if e.message else ''}")
     if job.error_msg and not job.errors:
         lines.append(f"{pad}  error: {job.error_msg}")
     return lines
+
+
+def _states(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
 
 
 def _step_lines(step: StepDetail) -> list[str]:
@@ -77,9 +84,14 @@ def _step_lines(step: StepDetail) -> list[str]:
     if step.kind != "job":
         head += f" ({step.kind} step)"
     if step.map_over:
-        head += f" once per item of {step.map_over}: {len(step.items)} item(s)"
+        head += f" once per item of {step.map_over}: {step.item_count} item(s)"
     lines = [head]
     inner = pad + "    "
+    if step.map_over and step.item_count:
+        lines.append(f"{inner}items: {_states(step.item_states)}")
+    if step.map_over or len(step.jobs) < step.job_count:
+        shown = "" if len(step.jobs) == step.job_count else f" ({len(step.jobs)} on this page)"
+        lines.append(f"{inner}jobs: {_states(step.job_states) or 'none'}{shown}")
     if step.child_run is not None:
         lines.append(f"{inner}child run {step.child_run}")
     if step.state == "completed" and not step.map_over:
@@ -101,7 +113,8 @@ def _step_lines(step: StepDetail) -> list[str]:
 def run_lines(run: RunDetail) -> list[str]:
     """`nasiko-queue run`'s text: the run, then its steps as an indented graph
     (each under its deepest dependency, its dependencies named), each with its
-    jobs' attempts in time order."""
+    counts and its jobs on the page, their attempts in time order; then the
+    next page's option, if there is one."""
     lines = [f"run {run.id}  workflow {run.workflow}  [{run.state}]",
              f"  started {_time(run.created_at)}  ended {_time(run.finished_at)}"]
     if run.parent_run is not None:
@@ -120,28 +133,39 @@ def run_lines(run: RunDetail) -> list[str]:
         lines.extend("  " + line for line in _step_lines(step))
     for e in run.events:
         lines.append(f"{_time(e.at)} {e.action} by {e.actor}")
+    if run.next_cursor is not None:
+        lines.append(f"more jobs: --after {run.next_cursor}")
     return lines
 
 
 @main.command("run", short_help="Show one workflow run: its steps, attempts and errors.")
 @click.argument("run_id", type=click.UUID)
 @dsn_option
+@click.option("--limit", type=click.IntRange(min=1), default=JOBS_PER_PAGE,
+              show_default=True, help="Step jobs per page.")
+@click.option("--after", default=None, metavar="CURSOR",
+              help="The page of jobs after this cursor (printed under the previous page).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def run_command(run_id: uuid.UUID, dsn: str | None, as_json: bool) -> None:
+def run_command(run_id: uuid.UUID, dsn: str | None, limit: int, after: str | None,
+                as_json: bool) -> None:
     """
     Show the workflow run RUN_ID: its state, the step that failed it and the
     error, then each step in dependency order with the steps it runs after, its
-    state, its result (secret values masked), a mapped step's items, and every
-    job it had with each attempt's times and error (a retried run keeps its
-    failed jobs: they say why it failed).
+    state, its result (secret values masked), its jobs and items counted by
+    state, and a page of the jobs it had (oldest first; a mapped step's with
+    their items) with each attempt's times and last errors (a retried run keeps
+    its failed jobs: they say why it failed).
     """
     dsn = _require_dsn(dsn)
 
     async def go() -> RunDetail | None:
         async with open_database(dsn) as db:
-            return await run_detail(db, run_id)
+            return await run_detail(db, run_id, limit=limit, after=after)
 
-    run = _run(dsn, go)
+    try:
+        run = _run(dsn, go)
+    except ValueError as exc:  # a malformed --after
+        raise OperatorError(f"--after: {exc}") from None
     if run is None:
         raise click.ClickException(f"no run {run_id}")
     if as_json:

@@ -2141,22 +2141,80 @@ SELECT id, workflow, state, input::text AS input, result::text AS result, failed
        (definition -> 'steps')::text AS steps
 FROM nasiko_queue_workflow_runs WHERE id = $1;
 
--- name: workflow_run_jobs
--- Every step job run $1 ever had (a run's retry gives a step a new job; the
--- old one stays), by step, item and age. The signal timers are not step jobs.
-SELECT id, payload ->> 'step' AS step, coalesce((payload ->> 'idx')::int, 0) AS idx, queue,
-       state, attempt, max_attempts, error_msg, created_at, run_at, attempted_at,
-       finished_at, claimed_by, result::text AS result
+-- name: workflow_step_heads
+-- Run $1's steps for its view, in definition order, one row each: the step's
+-- head (a mapped step's idx -1 row, any other step's idx 0 row; none yet for a
+-- blocked step of a run started before it existed). A mapped step's result is
+-- left out: its head holds every item's result, as large as the fan-out; the
+-- view shows the results of its items on the page instead.
+SELECT d.def ->> 'name' AS step, h.idx, h.state, h.job_id, h.child_run,
+       CASE WHEN d.def ->> 'map_over' IS NULL THEN h.result::text END AS result, h.error
+FROM nasiko_queue_workflow_runs AS r
+CROSS JOIN LATERAL jsonb_array_elements(r.definition -> 'steps') WITH ORDINALITY AS d(def, n)
+CROSS JOIN LATERAL (
+    SELECT s.idx, s.state, s.job_id, s.child_run, s.result, s.error
+    FROM nasiko_queue_workflow_steps AS s
+    WHERE s.run_id = r.id AND s.step = d.def ->> 'name'
+    ORDER BY s.idx LIMIT 1) AS h
+WHERE r.id = $1
+ORDER BY d.n;
+
+-- name: workflow_run_counts
+-- Run $1's exact counts for its view, whatever page it shows: its step jobs
+-- ('job') by step and state, with their attempts, first claim and last end;
+-- its mapped steps' items ('item', idx >= 0; a step that is not mapped has
+-- one such row too, which the caller ignores) by step and state. Reads every
+-- job and item row of the run (a 20,000-item fan-out: about 25 ms; see
+-- benchmarks/run_views_scale.py), never sends them.
+SELECT 'job' AS kind, payload ->> 'step' AS step, state, count(*)::int AS n,
+       sum(attempt)::int AS attempts, min(attempted_at) AS first_attempted_at,
+       max(finished_at) AS last_finished_at
 FROM nasiko_queue_jobs
 WHERE workflow_run = $1
-ORDER BY created_at, id;
+GROUP BY payload ->> 'step', state
+UNION ALL
+SELECT 'item', step, state, count(*)::int, NULL, NULL, NULL
+FROM nasiko_queue_workflow_steps
+WHERE run_id = $1 AND idx >= 0
+GROUP BY step, state;
 
--- name: job_errors_of_many
--- Every kept error of the jobs $1 (an array of ids), oldest first.
-SELECT job_id, attempt, at, worker_id, reason, error_type, message, traceback
-FROM nasiko_queue_job_errors
-WHERE job_id = ANY ($1::uuid[])
-ORDER BY at, id;
+-- name: workflow_run_jobs_page
+-- One page of the step jobs run $1 ever had (a run's retry gives a step a new
+-- job; the old one stays), oldest first, a fan-out's in item order: $2, $3, $4
+-- the (created_at, idx, id) of the previous page's last job (NULL: the first
+-- page), $5 the page size. Each job with its step row when it is that row's
+-- live job (a mapped step's item; for any other step, the caller ignores it). Read in the order of migration 0035's index (a row
+-- comparison with no OR), stopping after a page: a 20,000-item fan-out's view
+-- sent every job in one answer. The signal timers are not step jobs.
+SELECT j.id, j.payload ->> 'step' AS step, coalesce((j.payload ->> 'idx')::integer, 0) AS idx,
+       j.queue, j.state, j.attempt, j.max_attempts, j.error_msg, j.created_at, j.run_at,
+       j.attempted_at, j.finished_at, j.claimed_by, j.result::text AS result,
+       i.state AS item_state, i.result::text AS item_result, i.error AS item_error
+FROM nasiko_queue_jobs AS j
+LEFT JOIN nasiko_queue_workflow_steps AS i
+       ON i.run_id = $1 AND i.step = j.payload ->> 'step'
+      AND i.idx = coalesce((j.payload ->> 'idx')::integer, 0) AND i.idx >= 0
+      AND i.job_id = j.id
+WHERE j.workflow_run = $1
+  AND (j.created_at, coalesce((j.payload ->> 'idx')::integer, 0), j.id)
+      > (coalesce($2::timestamptz, '-infinity'), coalesce($3::integer, -2147483648),
+         coalesce($4::uuid, '00000000-0000-0000-0000-000000000000'))
+ORDER BY j.created_at, coalesce((j.payload ->> 'idx')::integer, 0), j.id
+LIMIT $5;
+
+-- name: job_errors_last_of_many
+-- The last $2 kept errors of each of the jobs $1 (an array of ids): a page of
+-- a run's view shows each job's latest errors, its own page all of them (a
+-- job retried 25 times keeps 25). By the index on (job_id, attempt).
+SELECT j.id AS job_id, e.attempt, e.at, e.worker_id, e.reason, e.error_type, e.message,
+       e.traceback
+FROM unnest($1::uuid[]) AS j(id)
+CROSS JOIN LATERAL (
+    SELECT attempt, at, worker_id, reason, error_type, message, traceback
+    FROM nasiko_queue_job_errors AS x
+    WHERE x.job_id = j.id
+    ORDER BY x.attempt DESC, x.id DESC
+    LIMIT $2) AS e;
 
 -- name: metrics_workflow_runs
 -- `/metrics`: runs by workflow and state. Exact: a scan of the runs (about

@@ -192,8 +192,10 @@ class Queries:
     workflow_stuck_runs: str
     workflow_runs_list: str
     workflow_show: str
-    workflow_run_jobs: str
-    job_errors_of_many: str
+    workflow_step_heads: str
+    workflow_run_counts: str
+    workflow_run_jobs_page: str
+    job_errors_last_of_many: str
     metrics_workflow_runs: str
     limit_set: str
     limit_clear: str

@@ -1,8 +1,9 @@
 """
 The dashboard's workflow run pages (issue #22): the runs (filtered by workflow
 and state, paged newest started first), one run (its steps in dependency
-order, each with its jobs' attempts, durations, masked results and errors),
-and its cancel and retry.
+order with their exact counts, and a page of their jobs' attempts, durations,
+masked results and last errors: a fan-out of 20,000 items is paged as the
+listings are), and its cancel and retry.
 
 A retry is one button, as a job's is. A cancel goes through a confirmation
 page, as a bulk discard does: it stops every running step of the run and its
@@ -73,14 +74,30 @@ def run_routes(dash: _Dashboard, action: _Action) -> list[Route]:
             run_id = UUID(request.path_params["run_id"])
         except ValueError:
             return dash.render(request, "error.html", status=404, message="no such run")
-        view = await run_admin.run_detail(db, run_id)
+        params = request.query_params
+        try:
+            asked = page_limit(params.get("limit"), run_admin.JOBS_PER_PAGE)
+            limit = min(asked, MAX_PAGE)
+            view = await run_admin.run_detail(db, run_id, limit=limit,
+                                              after=params.get("after") or None)
+        except ValueError as exc:
+            return dash.render(request, "error.html", status=400, message=str(exc))
         if view is None:
             return dash.render(request, "error.html", status=404, message=f"no run {run_id}")
+        nxt = None
+        if view.next_cursor is not None:
+            nxt = urlencode({**{k: v for k, v in params.items() if k != "after"},
+                             "after": view.next_cursor})
         return dash.render(
             request, "run.html", run=view, input=_pretty(view.input),
             result=_pretty(view.result) if view.state == "completed" else None,
             results={s.name: _pretty(s.result) for s in view.steps
-                     if s.state == "completed"})
+                     if s.state == "completed" and not s.map_over},
+            item_results={s.name: _pretty({str(i.index): i.result for i in s.items
+                                           if i.state == "completed"})
+                          for s in view.steps if s.map_over and s.items},
+            paged=bool(params.get("after")), next_query=nxt,
+            capped=MAX_PAGE if asked > MAX_PAGE else None)
 
     async def confirm_cancel(request: Request) -> Response:
         """What "Cancel run" would stop, counted, and the button that does it."""
@@ -88,15 +105,14 @@ def run_routes(dash: _Dashboard, action: _Action) -> list[Route]:
             run_id = _run_id(request.query_params)
         except ValueError as exc:
             return dash.render(request, "error.html", status=400, message=str(exc))
-        view = await run_admin.run_detail(db, run_id)
+        view = await run_admin.run_detail(db, run_id, limit=1)  # its counts: no page needed
         if view is None:
             return dash.render(request, "error.html", status=404, message=f"no run {run_id}")
-        jobs = [j for s in view.steps for j in s.jobs if j.live and j.state == "running"]
         waiting = [s for s in view.steps if s.state in ("blocked", "enqueued", "waiting")]
         children = [s.child_run for s in view.steps
                     if s.child_run is not None and s.state == "waiting"]
         back = _back({"next": request.query_params.get("next")}, f"/runs/{run_id}")
-        return dash.render(request, "run_confirm.html", run=view, running=len(jobs),
+        return dash.render(request, "run_confirm.html", run=view, running=view.running_jobs,
                            waiting=len(waiting), children=children, back=back)
 
     async def do_cancel(_request: Request, form: Any) -> str:
