@@ -28,6 +28,8 @@ from nasiko_queue import (
     QueueConfig,
     Results,
     ResultTimeout,
+    StepContext,
+    Workflow,
 )
 from nasiko_queue.db.database import Database
 from nasiko_queue.plain.results import ResultRefused, decode_result, encode_result
@@ -412,3 +414,46 @@ async def test_no_wait_is_recorded_for_a_job_that_is_not_there_or_has_ended(
     assert (await queue.db.fetchrow(Q.result_wait_and_read, waiting, uuid4()))["state"] \
         == "available"
     assert await queue.db.fetchval(waits) == 1
+
+
+@pytest.mark.parametrize("of", ["job", "run"])
+async def test_a_wait_recorded_while_the_end_commits_is_not_left_behind(
+    queue: Queue, of: str
+) -> None:
+    """A wait recorded while the job's (or run's) end was in flight: the end's
+    trigger deleted the waits before this one existed, and the read (FOR SHARE)
+    saw the end; only the waiter's own removal deleted the row. A waiter that
+    died then (killed, its removal cut by an outage) left it for good: no end
+    would come again, retention does not read the table, runs are never
+    deleted. Here the waiter "dies" after its read (it never removes its row).
+    The wait is now recorded only if the row, once locked, has not ended."""
+    from nasiko_queue.db.statements import Q
+
+    if of == "job":
+        target = await queue.enqueue(Resize(n=1), delay=3600)
+        end, read = "SELECT nasiko_queue_cancel($1)", Q.result_wait_and_read
+    else:
+        wf = Workflow("held")
+
+        @wf.step()
+        async def only(ctx: StepContext) -> None:
+            return None
+
+        target = await queue.start(wf)
+        end = ("UPDATE nasiko_queue_workflow_runs SET state = 'cancelled', "
+               "finished_at = now() WHERE id = $1")
+        read = Q.workflow_result_wait_and_read
+    rows: list[Any] = []
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery, queue.db.transaction() as tx:
+            await tx.execute(end, target)
+
+            async def wait_and_die() -> None:
+                rows.append(await queue.db.fetchrow(read, target, uuid4()))
+
+            nursery.start_soon(wait_and_die)
+            # Committed once the read is blocked on the ending transaction.
+            await _blocked_by(queue.db, await tx.fetchval("SELECT pg_backend_pid()"))
+    assert rows[0]["state"] == "cancelled"
+    assert await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_result_waits WHERE job_id = $1", target) == 0

@@ -1371,18 +1371,21 @@ SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id 
 -- Waiter $2 waits for job $1, then reads it as `plain_result`, FOR SHARE: a run's
 -- end whose trigger ran before this wait existed still holds the row, so the read
 -- waits for its commit and sees the end (the trigger could not have notified).
--- The wait is recorded only for a job that has not ended (as this statement's
--- snapshot sees it: an end in flight is waited for by the read): a wait for no
--- job, or for one already ended, would be removed by nothing but its waiter.
-WITH waits AS (
+-- The wait is recorded only for a job that has not ended, as the row reads once
+-- locked: a wait for no job, or for one already ended, would be removed by
+-- nothing but its waiter, and a waiter that died left it for good. Locked first:
+-- a condition read in the statement's snapshot missed an end in flight (the
+-- trigger had deleted the waits before this one existed), so a waiter killed
+-- after its read left a wait no end would remove.
+WITH job AS (
+    SELECT state, result, error_msg FROM nasiko_queue_jobs WHERE id = $1
+    FOR SHARE
+), waits AS (
     INSERT INTO nasiko_queue_result_waits (job_id, waiter)
-    SELECT $1, $2 WHERE EXISTS (
-        SELECT 1 FROM nasiko_queue_jobs
-        WHERE id = $1 AND state NOT IN ('completed', 'discarded', 'cancelled'))
+    SELECT $1, $2 FROM job WHERE job.state NOT IN ('completed', 'discarded', 'cancelled')
     ON CONFLICT DO NOTHING
 )
-SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id = $1
-FOR SHARE;
+SELECT state, result::text AS result, error_msg FROM job;
 
 -- name: result_wait_remove
 -- Waiter $2 no longer waits for job $1 (it got its answer, or gave up).
@@ -2082,17 +2085,17 @@ FROM nasiko_queue_workflow_runs WHERE id = $1;
 
 -- name: workflow_result_wait_and_read
 -- Waiter $2 waits for run $1, then reads it as `workflow_result`, FOR SHARE (as
--- `result_wait_and_read`: a run's end in flight is waited for, not missed).
-WITH waits AS (
+-- `result_wait_and_read`: a run's end in flight is waited for, not missed, and
+-- the wait recorded only if the locked row has not ended).
+WITH run AS (
+    SELECT state, result, failed_step, error FROM nasiko_queue_workflow_runs WHERE id = $1
+    FOR SHARE
+), waits AS (
     INSERT INTO nasiko_queue_result_waits (job_id, waiter)
-    SELECT $1, $2 WHERE EXISTS (
-        SELECT 1 FROM nasiko_queue_workflow_runs
-        WHERE id = $1 AND state NOT IN ('completed', 'failed', 'cancelled'))
+    SELECT $1, $2 FROM run WHERE run.state NOT IN ('completed', 'failed', 'cancelled')
     ON CONFLICT DO NOTHING
 )
-SELECT state, result::text AS result, failed_step, error
-FROM nasiko_queue_workflow_runs WHERE id = $1
-FOR SHARE;
+SELECT state, result::text AS result, failed_step, error FROM run;
 
 -- name: workflow_stuck_runs
 -- Runs that are `running` with nothing left to run: no step waits (for a
