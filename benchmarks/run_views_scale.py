@@ -13,9 +13,8 @@ and `/metrics` send (median of 5 after a warm-up, as
 `benchmarks.dashboard_scale` does), for a two-step run and for the fan-out
 (its first page and a page deep into it), then the whole view (`run_detail`)
 and the dashboard's `/runs/<id>` page of the fan-out (time and size), then
-the same statements as generic plans, then without the run views' indexes
-(migration 0021's runs index, 0035's jobs index; dropped, then built again), to
-show what they are for.
+the same statements as generic plans, then without migration 0021's indexes
+(dropped, then built again), to show what they are for.
 """
 
 from __future__ import annotations
@@ -124,9 +123,8 @@ INDEXES = {
     "nasiko_queue_workflow_runs_started":
         "CREATE INDEX nasiko_queue_workflow_runs_started "
         "ON nasiko_queue_workflow_runs (created_at, id)",
-    "nasiko_queue_jobs_workflow_run_page":
-        "CREATE INDEX nasiko_queue_jobs_workflow_run_page ON nasiko_queue_jobs "
-        "(workflow_run, created_at, (coalesce((payload ->> 'idx')::integer, 0)), id) "
+    "nasiko_queue_jobs_workflow_run":
+        "CREATE INDEX nasiko_queue_jobs_workflow_run ON nasiko_queue_jobs (workflow_run) "
         "WHERE workflow_run IS NOT NULL",
 }
 
@@ -210,7 +208,7 @@ async def main(dsn: str, runs: int, items: int) -> None:
             for name, sql, args in cases(run_id, fan, deep)[:6]:
                 ms, plan = await timed(tx, sql, args)
                 print(f"{ms:9.1f} ms  {name}  [{plan}]")
-        print("without the run views' indexes (0021's runs index, 0035's jobs index):")
+        print("without migration 0021's indexes:")
         for name in INDEXES:
             await db.execute(f"DROP INDEX {name}")
         try:
