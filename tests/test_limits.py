@@ -444,3 +444,47 @@ async def test_the_dashboard_shows_sets_and_clears_limits(queue: Queue) -> None:
         assert "limits of queue api cleared" in unquote_plus(r.headers["location"])
     assert [(x.queue, x.concurrency, x.rate) for x in await queue.limits()] == [
         ("email", 3, None)]
+
+
+async def test_a_job_committed_while_a_limited_claim_waits_is_claimed_or_left_uncounted(
+    queue: Queue,
+) -> None:
+    """
+    The limited claim's outer UPDATE reads the statement's snapshot, taken before
+    `nasiko_queue_limited_pick` waits (for the queue's lock, or here a ledger row
+    a slow transaction holds); the pick reads fresh snapshots after the wait. A
+    job committed in between was picked, locked and its start written to the
+    rate ledger, but the outer UPDATE could not see it: the claim returned
+    nothing, the job stayed available, and the window's one start was spent on
+    a run that never began (found deciding a suspicion of issue #45).
+    """
+    from .test_cancel_race import _blocked_by
+
+    await queue.set_limit("api", rate=Rate(1, per=3600.0))
+    # An old start, out of the window: the claim deletes it first, and waits
+    # for it while a slow transaction holds it.
+    await queue.db.execute("INSERT INTO nasiko_queue_limit_starts (queue, pkey, started_at) "
+                           "VALUES ('api', '', now() - interval '2 hours')")
+    claimed: list[ClaimedJob] = []
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as nursery, queue.db.transaction() as slow:
+            await slow.execute("SELECT 1 FROM nasiko_queue_limit_starts FOR UPDATE")
+            # The enqueue begins first: its job is due (run_at is its transaction's
+            # now()) by the time the pick reads, as is any job committed while a
+            # claim waits for the queue's lock.
+            async with queue.db.transaction() as enqueue:
+                job_id = await queue.enqueue(Call(), tx=enqueue)
+
+                async def claim() -> None:
+                    claimed.extend(await _store(queue).claim(5))
+
+                nursery.start_soon(claim)
+                await _blocked_by(queue.db, await slow.fetchval("SELECT pg_backend_pid()"))
+            # The enqueue committed after the claim's statement began, before its pick.
+    starts = await queue.db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_limit_starts WHERE queue = 'api'")
+    state = await queue.db.fetchval("SELECT state FROM nasiko_queue_jobs WHERE id = $1", job_id)
+    # Either claimed, its start counted; or left for the next claim, uncounted.
+    assert (len(claimed), starts, state) in ((1, 1, "running"), (0, 0, "available"))
+    if not claimed:
+        assert [j.id for j in await _store(queue).claim(5)] == [job_id]

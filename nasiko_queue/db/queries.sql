@@ -1057,14 +1057,18 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted;
 -- the same statement completes and their attempts (each frees its slot while
 -- its row still runs that attempt, migration 0026: a late finish of a job
 -- claimed again elsewhere frees none). The scalar subquery makes its answer an
--- init plan, computed once, so the id lookup stays an index scan.
+-- init plan, computed once, so the id lookup stays an index scan. It is given
+-- this statement's snapshot, and picks only jobs this UPDATE can see (0035: a
+-- job committed while the pick waited for the queue's lock was picked, its
+-- start counted, and not claimed).
 -- The attempted_at it replaces is kept for a give-back to restore (0025).
 UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
     previous_attempted_at = j.attempted_at, claim_token = $3, claimed_by = $4
 WHERE j.id = ANY (CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
                        THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[],
-                                                                $7::integer[]))
+                                                                $7::integer[],
+                                                                pg_current_snapshot()))
                        ELSE ARRAY(
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM nasiko_queue_jobs
