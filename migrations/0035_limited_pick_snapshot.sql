@@ -41,8 +41,8 @@
 -- Whether a row whose version was written by transaction `x` is visible in
 -- snapshot `seen` (NULL: no snapshot to test, visible). `ref` is a 64-bit xid
 -- above every committed xid the caller reads (its own snapshot's xmax).
-CREATE OR REPLACE FUNCTION nasiko_queue_seen_by(x xid, seen pg_snapshot,
-                                                ref xid8 DEFAULT pg_snapshot_xmax(pg_current_snapshot()))
+CREATE OR REPLACE FUNCTION nasiko_queue_seen_by(
+    x xid, seen pg_snapshot, ref xid8 DEFAULT pg_snapshot_xmax(pg_current_snapshot()))
 RETURNS boolean LANGUAGE sql STABLE AS $$
     SELECT seen IS NULL OR pg_visible_in_snapshot(
         (ref::text::bigint
