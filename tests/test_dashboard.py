@@ -697,8 +697,8 @@ class _Browser:
     def _open(self) -> Any:
         from playwright.sync_api import sync_playwright
 
-        # trio_asyncio makes new_event_loop() build its own kind of loop, unless a
-        # policy is set: per thread, so this thread gets plain asyncio.
+        # Playwright's sync API runs a plain asyncio loop in this thread: named by
+        # the policy, whatever an earlier test in the process set.
         asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
         self._pw = sync_playwright().start()
         self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True,

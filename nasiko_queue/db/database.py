@@ -44,9 +44,9 @@ from typing import Any, TypeVar
 import asyncpg
 import attrs
 import trio
-import trio_asyncio
 
 from ..errors import OutcomeUnknown, is_connection_error, leaves
+from .bridge import trio_asyncio
 from .connections import ConnectionSet
 
 log = logging.getLogger("nasiko_queue.database")
@@ -629,7 +629,8 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
     """
     if isinstance(config, str):
         config = DatabaseConfig(dsn=config)
-    loop = trio_asyncio.current_loop.get()
+    bridge = trio_asyncio()
+    loop = bridge.current_loop.get()
     if loop is not None:
         async with _pool(loop, config) as db:
             yield db
@@ -638,7 +639,7 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
     # the caller back the exception its own code raised.
     raised: BaseException | None = None
     try:
-        async with trio_asyncio.open_loop() as loop, _pool(loop, config) as db:
+        async with bridge.open_loop() as loop, _pool(loop, config) as db:
             try:
                 yield db
             except BaseException as exc:
