@@ -224,7 +224,7 @@ def _setup_commands(block: int | None = None) -> list[str]:
 
 def test_readme_names_the_setup_commands() -> None:
     assert _setup_commands() == [
-        "pip install .", "nasiko-queue demo",
+        "pip install '.[demo]'", "nasiko-queue demo",
         "pip install '.[test]'", "python -m pytest",
         'python -m pytest -m "not slow"',
     ]
@@ -236,7 +236,7 @@ def test_ci_runs_the_readme_setup_commands_as_printed() -> None:
     CI runs the whole, once, rather than a part of it again."""
     ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
     front_door = _setup_commands(0)
-    assert front_door == ["pip install .", "nasiko-queue demo",
+    assert front_door == ["pip install '.[demo]'", "nasiko-queue demo",
                           "pip install '.[test]'", "python -m pytest"]
     for command in front_door:
         assert command in ci, command
