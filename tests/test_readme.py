@@ -93,6 +93,8 @@ _RUNS = {
         "sending urgent to ops@example.com attempt 1",
         "sending welcome to b@example.com attempt 1"]),
     "results": _Run(stdout=lambda out: out == ["https://cdn.example.com/a-64.png"]),
+    # A def executor ran in its thread and its result came back (issue #46).
+    "def executors": _Run(stdout=lambda out: out == ["6155f67e.png"]),
     # Limits across replicas (issue #23): each call ran; 4 starts in the window.
     "limits": _Run(stdout=lambda out: sorted(out) == [
         "api 2 Rate(limit=10, per=60.0) 4", "calling for acme", "calling for acme",
