@@ -772,6 +772,15 @@ SELECT EXISTS (SELECT 1 FROM beat) AS alive, EXISTS (SELECT 1 FROM lead) AS lead
              WHERE j.claimed_by = $1 AND j.state = 'running' AND j.cancel_requested)
            AS cancels;
 
+-- name: worker_keep_alive
+-- The loop watch's renewal of worker $1 (engine/loop_watch.py), sent from a
+-- thread of its own while the worker's event loop is blocked: the row's
+-- heartbeat only (the leadership is left to expire: the blocked loop runs no
+-- maintenance), and only while the row is alive. Returns true if it renewed.
+UPDATE nasiko_queue_workers SET heartbeat_at = now()
+WHERE id = $1 AND dead_at IS NULL
+RETURNING true;
+
 -- name: worker_deregister
 -- A worker stops ($1): any role it held is released at once, and its row goes,
 -- unless it still holds jobs (a give-back that failed in an outage): then it is

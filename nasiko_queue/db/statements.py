@@ -91,6 +91,7 @@ class Queries:
     queue_notify: str
     worker_register: str
     worker_heartbeat: str
+    worker_keep_alive: str
     worker_deregister: str
     worker_retire: str
     workers_expired: str
