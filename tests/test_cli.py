@@ -169,7 +169,7 @@ def test_bad_dsn_in_a_real_process_prints_no_traceback() -> None:
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "Error: cannot connect to 127.0.0.1:1/postgres: Connect call failed ('127.0.0.1', 1)"
+        "Error: cannot connect to 127.0.0.1:1/postgres: connection refused"
     ]
 
 
@@ -467,6 +467,10 @@ def test_worker_roles_by_flag_and_by_environment(
     ("spec", "says"),
     [
         ("tests.cli_executors:not_executors", "is a tuple, not an Executors"),
+        # A class named by mistake (issue #46): one line, not the traceback of
+        # calling it with no arguments.
+        ("tests.cli_executors:Ping", "is a class (Ping), not an Executors"),
+        ("tests.cli_executors:ping", "could not be called with no arguments"),
         ("tests.cli_executors:nothing", "has no attribute 'nothing'"),
         ("tests.no_such_module:executors", "cannot import 'tests.no_such_module'"),
         ("tests.cli_executors", "expected module:attribute"),
