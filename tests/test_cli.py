@@ -237,8 +237,10 @@ def test_status_counts_each_queue_of_plain_jobs(runner: CliRunner, dsn: str) -> 
             for name, q in queues.items()} == {"pings": (1, 1, 0), "other": (1, 0, 1)}
     assert 90 <= queues["other"]["oldest_available_age"] < 150
     table = invoke(runner, "status", "--dsn", dsn)
-    assert "queues of plain jobs" in table.stdout
+    # The general queue first; no table of build jobs where there is none (issue #46).
+    assert table.stdout.lstrip().startswith("queues")
     assert "pings" in table.stdout
+    assert "build jobs" not in table.stdout
 
 
 def test_status_json_reports_known_rows(runner: CliRunner, dsn: str) -> None:
@@ -268,12 +270,21 @@ def test_status_threshold_is_an_option(runner: CliRunner, dsn: str) -> None:
     assert json.loads(result.stdout)["in_progress"]["stuck"] == 0
 
 
-def test_status_tables_on_an_empty_queue(runner: CliRunner, dsn: str) -> None:
-    result = invoke(runner, "status", "--dsn", dsn)
-    assert result.exit_code == 0, result.output
+def test_status_tables_on_an_empty_queue_and_with_build_jobs(
+    runner: CliRunner, dsn: str,
+) -> None:
+    empty = invoke(runner, "status", "--dsn", dsn)
+    assert empty.exit_code == 0, empty.output
+    assert empty.stdout.startswith("no jobs yet")
+    assert "workers" in empty.stdout
+    assert "build jobs" not in empty.stdout
+    with_db(dsn, _known_rows)
+    builds = invoke(runner, "status", "--dsn", dsn)
+    assert builds.exit_code == 0, builds.output
+    assert "build jobs by status" in builds.stdout
     for status in ("pending", "in_progress", "done", "failed"):
-        assert status in result.stdout
-    assert "claim uses the partial index" in result.stdout
+        assert status in builds.stdout
+    assert "claim uses the partial index" in builds.stdout
 
 
 async def test_queue_status_without_the_cli(db: Database, queue: Queue) -> None:
