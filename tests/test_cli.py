@@ -937,7 +937,8 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     from .cli_executors import Ping
 
     result = invoke(runner, "enqueue", "ping", '{"n": 3}', "--dsn", dsn, "--queue", "pings",
-                    "--priority", "-2", "--max-attempts", "4", "--delay", "60")
+                    "--priority", "-2", "--max-attempts", "4", "--delay", "60",
+                    "--executors", "tests.cli_executors:executors")
     assert result.exit_code == 0, result.output
     job_id = UUID(result.stdout.strip())
 
@@ -955,7 +956,8 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     assert timedelta(seconds=59) < ours["wait"] < timedelta(seconds=61)
 
     at = "2031-05-01T09:30:00+00:00"
-    later = invoke(runner, "enqueue", "report.daily", "--dsn", dsn, "--run-at", at)
+    later = invoke(runner, "enqueue", "report.daily", "--dsn", dsn, "--run-at", at,
+                   "--any-kind")
     assert later.exit_code == 0, later.output
     row = with_db(dsn, lambda db: db.fetchrow(
         "SELECT queue, payload, run_at FROM nasiko_queue_jobs WHERE id = $1",
@@ -963,12 +965,42 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     assert (row["queue"], json.loads(row["payload"])) == ("default", {"kind": "report.daily"})
     assert row["run_at"] == datetime.fromisoformat(at)
 
-    first = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, "--unique", "once")
-    second = invoke(runner, "enqueue", "ping", '{"n": 1}', "--dsn", dsn, "--unique", "once")
+    first = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, "--unique", "once",
+                   "--any-kind")
+    second = invoke(runner, "enqueue", "ping", '{"n": 1}', "--dsn", dsn, "--unique", "once",
+                    "--any-kind")
     assert first.exit_code == second.exit_code == 0
     assert first.stdout == second.stdout
     assert "already holds unique key 'once': nothing enqueued" in second.stderr
     assert first.stderr == ""
+
+
+def test_enqueue_refuses_a_kind_no_worker_would_run(runner: CliRunner, dsn: str) -> None:
+    """A typo was given back every 15 s for ever (issue #46): refused, with the near miss."""
+    registry = ("--executors", "tests.cli_executors:executors")
+    typo = invoke(runner, "enqueue", "pnig", "{}", "--dsn", dsn, *registry)
+    assert typo.exit_code == 2
+    assert "registers no plain job of kind 'pnig'; did you mean 'ping'?" in typo.stderr
+    wrong = invoke(runner, "enqueue", "ping", '{"n": "3"}', "--dsn", dsn, *registry)
+    assert wrong.exit_code == 2
+    assert "invalid ping payload: field 'n': expected an integer" in wrong.stderr
+    alone = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn)
+    assert alone.exit_code == 2
+    assert "no live worker to check kind 'ping' against" in alone.stderr
+
+    async def live_worker(db: Database) -> None:
+        await db.execute("INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs) "
+                         "VALUES ($1, 'h', 1, ARRAY['ping', 'report.daily'], 60)", uuid.uuid4())
+
+    with_db(dsn, live_worker)
+    served = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn)
+    assert served.exit_code == 0, served.output
+    near = invoke(runner, "enqueue", "report.dialy", "{}", "--dsn", dsn)
+    assert near.exit_code == 2
+    assert "no live worker runs kind 'report.dialy'; did you mean 'report.daily'?" in \
+        near.stderr
+    assert with_db(dsn, lambda db: db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs")) == 1
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -585,6 +585,11 @@ def _format_error(exc: BaseException, _type: object) -> str:
     return "invalid value"
 
 
+def describe_structure_error(exc: Exception) -> str:
+    """A value-free description of a structuring failure, naming the field(s)."""
+    return _describe(exc)
+
+
 def _describe(exc: Exception) -> str:
     """A value-free description of a structuring failure, naming the field(s)."""
     if isinstance(exc, cattrs.BaseValidationError):

@@ -805,6 +805,12 @@ WHERE id = $1 AND dead_at IS NULL AND (SELECT holds FROM held);
 -- stopped its jobs; declared dead, they are given back by the leader's rescue.
 UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1 AND dead_at IS NULL;
 
+-- name: workers_live_kinds
+-- The kinds some live worker runs (not declared dead, heartbeat within its own
+-- lease): what `nasiko-queue enqueue` checks a kind against.
+SELECT DISTINCT unnest(kinds) AS kind FROM nasiko_queue_workers
+WHERE dead_at IS NULL AND heartbeat_at >= now() - make_interval(secs => lease_secs);
+
 -- name: workers_expired
 -- Live workers whose heartbeat is older than their own lease: presumed dead.
 SELECT id, heartbeat_at
