@@ -1,5 +1,5 @@
 """``python -m nasiko_queue``: the same command as ``nasiko-queue``."""
 
-from .cli import main
+from .command import main
 
-main(prog_name="nasiko-queue")
+main()

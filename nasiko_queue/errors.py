@@ -52,6 +52,28 @@ class MigrationError(NasikoQueueError):
     """The database schema could not be brought up to date."""
 
 
+class CannotConnect(NasikoQueueError, ConnectionRefusedError):
+    """
+    PostgreSQL refused the connection: the message says where. Still a
+    `ConnectionRefusedError`, so that it is an outage wherever one is handled (a
+    worker waits for the server and tries again).
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        OSError.__init__(self, errno, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+# asyncpg ships no types: its exception classes are Any to mypy.
+class NotMigrated(NasikoQueueError, asyncpg.UndefinedTableError):  # type: ignore[misc]
+    """
+    A table of the queue is missing: the database has not been migrated (the
+    message says how). Still asyncpg's `UndefinedTableError` (SQLSTATE 42P01).
+    """
+
+
 class ConfigurationError(NasikoQueueError, ValueError):
     """A setting is out of range or two settings contradict each other."""
 

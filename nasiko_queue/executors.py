@@ -25,6 +25,7 @@ from .builds.payloads import Payload, Target
 from .db.database import Database
 from .engine.contracts import BuildReport
 from .plain.args import Backoff, BackoffFn, JobArgs
+from .threaded import in_thread, is_async_callable
 
 P = TypeVar("P", bound=Payload)
 A = TypeVar("A", bound=JobArgs)
@@ -135,7 +136,10 @@ class JobContext(Generic[P]):
             run.on_building()
 
 
-Executor = Callable[[JobContext[P]], Awaitable[None]]
+#: A build job's executor: an ``async def``, or a ``def`` (run in a worker thread).
+Executor = Callable[[JobContext[P]], Awaitable[None] | None]
+#: How the worker calls one: always on the loop.
+AsyncExecutor = Callable[[JobContext[P]], Awaitable[None]]
 
 
 @attrs.frozen(kw_only=True)
@@ -155,8 +159,11 @@ class PlainJobContext(Generic[A]):
     db: Database
 
 
-#: A plain job's executor; what it returns (JSON-ready, or None) is the job's result.
-PlainExecutor = Callable[[PlainJobContext[A]], Awaitable[Any]]
+#: A plain job's executor, an ``async def`` or a ``def`` (run in a worker thread);
+#: what it returns (JSON-ready, or None) is the job's result.
+PlainExecutor = Callable[[PlainJobContext[A]], Any]
+#: How the worker calls one: always on the loop.
+AsyncPlainExecutor = Callable[[PlainJobContext[A]], Awaitable[Any]]
 #: The backoff of plain jobs whose registration names none.
 DEFAULT_BACKOFF: BackoffFn = Backoff()
 
@@ -174,8 +181,8 @@ class Executors:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[type[Payload], Executor[Payload]]] = {}
-        self._plain: dict[str, tuple[type[JobArgs], PlainExecutor[JobArgs]]] = {}
+        self._entries: dict[str, tuple[type[Payload], AsyncExecutor[Payload]]] = {}
+        self._plain: dict[str, tuple[type[JobArgs], AsyncPlainExecutor[JobArgs]]] = {}
         self._timeouts: dict[str, float] = {}
         self._backoffs: dict[str, BackoffFn] = {}
         #: The workflows registered (`register_workflow`), by name: the cron
@@ -201,12 +208,14 @@ class Executors:
                  backoff: BackoffFn | None = None) -> PlainExecutor[A]: ...
 
     def register(
-        self, payload_type: type[Any], executor: Callable[[Any], Awaitable[Any]] | None = None,
+        self, payload_type: type[Any], executor: Callable[[Any], Any] | None = None,
         *, timeout: float | None = None, backoff: BackoffFn | None = None,
     ) -> Any:
         """
         Register `executor` for `payload_type` (a build `Payload` or a plain
-        `JobArgs`); usable as a decorator.
+        `JobArgs`); usable as a decorator. An ``async def`` runs on the worker's
+        loop; a plain ``def`` (blocking code: an ORM, ``requests``) runs in a
+        worker thread of its own (`nasiko_queue.threaded`).
 
         Args:
             timeout: run-time limit of one run, in seconds (default:
@@ -226,15 +235,16 @@ class Executors:
                              "the build rule (at once, max_attempts runs); backoff is for "
                              "plain jobs")
 
-        def add(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+        def add(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             kind = payload_type.kind
             if kind in self._entries or kind in self._plain:
                 raise ValueError(f"an executor for kind {kind!r} is already registered")
+            call = fn if is_async_callable(fn) else in_thread(fn, f"kind {kind}")
             if plain:
-                self._plain[kind] = (payload_type, fn)
+                self._plain[kind] = (payload_type, call)
                 self._backoffs[kind] = backoff or DEFAULT_BACKOFF
             else:
-                self._entries[kind] = (payload_type, fn)
+                self._entries[kind] = (payload_type, call)
             if timeout is not None:
                 self._timeouts[kind] = timeout
             return fn
@@ -251,7 +261,7 @@ class Executors:
 
         register_workflow(self, workflow)
 
-    def executor_for(self, kind: str) -> Executor[Payload] | None:
+    def executor_for(self, kind: str) -> AsyncExecutor[Payload] | None:
         entry = self._entries.get(kind)
         return None if entry is None else entry[1]
 
@@ -259,7 +269,7 @@ class Executors:
         """The run-time limit registered for `kind`, if any."""
         return self._timeouts.get(kind)
 
-    def plain_executor_for(self, kind: str) -> PlainExecutor[JobArgs] | None:
+    def plain_executor_for(self, kind: str) -> AsyncPlainExecutor[JobArgs] | None:
         entry = self._plain.get(kind)
         return None if entry is None else entry[1]
 

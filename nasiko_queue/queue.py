@@ -153,9 +153,12 @@ class Queue:
                 read back as a sealed one.
             ValueError: no owner could be determined; a schedule, options or a
                 unique key for a build job; a naive `run_at`.
+            TypeError: `payload` is neither a `JobArgs` nor a build `Payload`.
         """
         if isinstance(payload, JobArgs):
             return await self._enqueue_plain(payload, tx, run_at, delay, options, unique)
+        if not isinstance(payload, Payload):  # the annotation is not checked at run time
+            raise _not_a_job(payload)
         if run_at is not None or delay is not None or options is not None or unique is not None:
             raise ValueError(
                 f"{payload.kind} is a build job: it runs as soon as a worker is free, in the "
@@ -755,6 +758,13 @@ class _NoOptions:
 
 
 _BARE = _NoOptions()
+
+
+def _not_a_job(payload: object) -> TypeError:
+    hint = (": a job given as a dict goes through enqueue_json(kind, args)"
+            if isinstance(payload, Mapping) else "")
+    return TypeError(f"enqueue expects a JobArgs instance (or a build Payload), not "
+                     f"{type(payload).__name__}{hint}")
 
 
 class _Batch:

@@ -13,11 +13,10 @@ def run_asyncio(coro: Coroutine[Any, Any, T]) -> T:
     """
     Run `coro` on a plain asyncio loop, as an asyncio application's server does.
 
-    Not `asyncio.run`: importing nasiko_queue imports trio_asyncio, which makes
-    `asyncio.new_event_loop()` (and so `asyncio.run`) build trio-asyncio's own
-    synchronous loop in any thread that set no event loop policy. A test of the
-    asyncio client on that loop would not test it on asyncio; servers that pass a
-    loop factory (uvicorn, `asyncio.Runner(loop_factory=...)`) get a plain one.
+    The loop is named rather than left to `asyncio.run`'s policy: the library
+    leaves asyncio's policy alone (tests/test_import_effects.py), but a test of the
+    asyncio client on any other kind of loop would not test it on asyncio, so the
+    check below holds whatever a test before this one did to the policy.
     """
     async def checked() -> T:
         assert type(asyncio.get_running_loop()).__module__.startswith("asyncio"), (

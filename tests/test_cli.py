@@ -169,7 +169,7 @@ def test_bad_dsn_in_a_real_process_prints_no_traceback() -> None:
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "Error: cannot connect to 127.0.0.1:1/postgres: Connect call failed ('127.0.0.1', 1)"
+        "Error: cannot connect to 127.0.0.1:1/postgres: connection refused"
     ]
 
 
@@ -237,8 +237,10 @@ def test_status_counts_each_queue_of_plain_jobs(runner: CliRunner, dsn: str) -> 
             for name, q in queues.items()} == {"pings": (1, 1, 0), "other": (1, 0, 1)}
     assert 90 <= queues["other"]["oldest_available_age"] < 150
     table = invoke(runner, "status", "--dsn", dsn)
-    assert "queues of plain jobs" in table.stdout
+    # The general queue first; no table of build jobs where there is none (issue #46).
+    assert table.stdout.lstrip().startswith("queues")
     assert "pings" in table.stdout
+    assert "build jobs" not in table.stdout
 
 
 def test_status_json_reports_known_rows(runner: CliRunner, dsn: str) -> None:
@@ -268,12 +270,21 @@ def test_status_threshold_is_an_option(runner: CliRunner, dsn: str) -> None:
     assert json.loads(result.stdout)["in_progress"]["stuck"] == 0
 
 
-def test_status_tables_on_an_empty_queue(runner: CliRunner, dsn: str) -> None:
-    result = invoke(runner, "status", "--dsn", dsn)
-    assert result.exit_code == 0, result.output
+def test_status_tables_on_an_empty_queue_and_with_build_jobs(
+    runner: CliRunner, dsn: str,
+) -> None:
+    empty = invoke(runner, "status", "--dsn", dsn)
+    assert empty.exit_code == 0, empty.output
+    assert empty.stdout.startswith("no jobs yet")
+    assert "workers" in empty.stdout
+    assert "build jobs" not in empty.stdout
+    with_db(dsn, _known_rows)
+    builds = invoke(runner, "status", "--dsn", dsn)
+    assert builds.exit_code == 0, builds.output
+    assert "build jobs by status" in builds.stdout
     for status in ("pending", "in_progress", "done", "failed"):
-        assert status in result.stdout
-    assert "claim uses the partial index" in result.stdout
+        assert status in builds.stdout
+    assert "claim uses the partial index" in builds.stdout
 
 
 async def test_queue_status_without_the_cli(db: Database, queue: Queue) -> None:
@@ -467,6 +478,10 @@ def test_worker_roles_by_flag_and_by_environment(
     ("spec", "says"),
     [
         ("tests.cli_executors:not_executors", "is a tuple, not an Executors"),
+        # A class named by mistake (issue #46): one line, not the traceback of
+        # calling it with no arguments.
+        ("tests.cli_executors:Ping", "is a class (Ping), not an Executors"),
+        ("tests.cli_executors:ping", "could not be called with no arguments"),
         ("tests.cli_executors:nothing", "has no attribute 'nothing'"),
         ("tests.no_such_module:executors", "cannot import 'tests.no_such_module'"),
         ("tests.cli_executors", "expected module:attribute"),
@@ -922,7 +937,8 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     from .cli_executors import Ping
 
     result = invoke(runner, "enqueue", "ping", '{"n": 3}', "--dsn", dsn, "--queue", "pings",
-                    "--priority", "-2", "--max-attempts", "4", "--delay", "60")
+                    "--priority", "-2", "--max-attempts", "4", "--delay", "60",
+                    "--executors", "tests.cli_executors:executors")
     assert result.exit_code == 0, result.output
     job_id = UUID(result.stdout.strip())
 
@@ -940,7 +956,8 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     assert timedelta(seconds=59) < ours["wait"] < timedelta(seconds=61)
 
     at = "2031-05-01T09:30:00+00:00"
-    later = invoke(runner, "enqueue", "report.daily", "--dsn", dsn, "--run-at", at)
+    later = invoke(runner, "enqueue", "report.daily", "--dsn", dsn, "--run-at", at,
+                   "--any-kind")
     assert later.exit_code == 0, later.output
     row = with_db(dsn, lambda db: db.fetchrow(
         "SELECT queue, payload, run_at FROM nasiko_queue_jobs WHERE id = $1",
@@ -948,12 +965,42 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     assert (row["queue"], json.loads(row["payload"])) == ("default", {"kind": "report.daily"})
     assert row["run_at"] == datetime.fromisoformat(at)
 
-    first = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, "--unique", "once")
-    second = invoke(runner, "enqueue", "ping", '{"n": 1}', "--dsn", dsn, "--unique", "once")
+    first = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, "--unique", "once",
+                   "--any-kind")
+    second = invoke(runner, "enqueue", "ping", '{"n": 1}', "--dsn", dsn, "--unique", "once",
+                    "--any-kind")
     assert first.exit_code == second.exit_code == 0
     assert first.stdout == second.stdout
     assert "already holds unique key 'once': nothing enqueued" in second.stderr
     assert first.stderr == ""
+
+
+def test_enqueue_refuses_a_kind_no_worker_would_run(runner: CliRunner, dsn: str) -> None:
+    """A typo was given back every 15 s for ever (issue #46): refused, with the near miss."""
+    registry = ("--executors", "tests.cli_executors:executors")
+    typo = invoke(runner, "enqueue", "pnig", "{}", "--dsn", dsn, *registry)
+    assert typo.exit_code == 2
+    assert "registers no plain job of kind 'pnig'; did you mean 'ping'?" in typo.stderr
+    wrong = invoke(runner, "enqueue", "ping", '{"n": "3"}', "--dsn", dsn, *registry)
+    assert wrong.exit_code == 2
+    assert "invalid ping payload: field 'n': expected an integer" in wrong.stderr
+    alone = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn)
+    assert alone.exit_code == 2
+    assert "no live worker to check kind 'ping' against" in alone.stderr
+
+    async def live_worker(db: Database) -> None:
+        await db.execute("INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs) "
+                         "VALUES ($1, 'h', 1, ARRAY['ping', 'report.daily'], 60)", uuid.uuid4())
+
+    with_db(dsn, live_worker)
+    served = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn)
+    assert served.exit_code == 0, served.output
+    near = invoke(runner, "enqueue", "report.dialy", "{}", "--dsn", dsn)
+    assert near.exit_code == 2
+    assert "no live worker runs kind 'report.dialy'; did you mean 'report.daily'?" in \
+        near.stderr
+    assert with_db(dsn, lambda db: db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_jobs")) == 1
 
 
 @pytest.mark.parametrize(("args", "message"), [

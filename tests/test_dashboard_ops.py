@@ -56,18 +56,21 @@ from .test_dashboard import (  # noqa: F401  (work_queue, shots: fixtures)
 )
 
 
-async def _register(db: Database, queues: dict[str, int], host: str = "box") -> uuid.UUID:
-    """A live worker row serving `queues` (as a worker's heartbeat service writes it)."""
+async def _register(db: Database, queues: dict[str, int], host: str = "box",
+                    kinds: tuple[str, ...] = (Work.kind,)) -> uuid.UUID:
+    """A live worker row serving `queues` and running `kinds` (as a worker's heartbeat
+    service writes it)."""
     store = PgJobStore(db, FAST, runnable_kinds=frozenset(), known_kinds=frozenset())
     worker_id = uuid.uuid4()
-    await store.register_worker(WorkerIdentity(id=worker_id, host=host, pid=7, kinds=(),
+    await store.register_worker(WorkerIdentity(id=worker_id, host=host, pid=7, kinds=kinds,
                                                queues=tuple(queues.items())))
     return worker_id
 
 
 async def _unserved_rows(db: Database) -> None:
     """Queue "work" served by a live worker; "nobody" and "ghost" served by none
-    ("ghost"'s only worker is dead); 2 jobs of "work" completed, one 3 minutes ago."""
+    ("ghost"'s only worker is dead); 2 jobs of "work" completed, one 3 minutes ago;
+    one job in "work" of a kind its worker does not run (a typo: issue #46)."""
     queue = Queue(db, config=FAST)
     await _register(db, {"work": 2, "builds": 1})
     ghost = await _register(db, {"ghost": 1}, host="gone")
@@ -76,6 +79,7 @@ async def _unserved_rows(db: Database) -> None:
     await queue.enqueue(Work(note="lost"), options=JobOptions(queue="nobody"))
     await queue.enqueue(Work(note="later"), options=JobOptions(queue="nobody"), delay=3600)
     await queue.enqueue(Work(note="haunted"), options=JobOptions(queue="ghost"))
+    await queue.enqueue_json("wrok", {}, options=JobOptions(queue="work"))
     for minutes in (0, 3):
         done = await queue.enqueue(Work(note=f"done {minutes}"))
         await db.execute(
@@ -86,7 +90,8 @@ async def _unserved_rows(db: Database) -> None:
 async def test_status_names_unserved_queues_and_counts_throughput(db: Database) -> None:
     await _unserved_rows(db)
     status = await queue_status(db)
-    assert [(u.queue, u.waiting) for u in status.unserved] == [("ghost", 1), ("nobody", 2)]
+    assert [(u.queue, u.kind, u.waiting) for u in status.unserved] == [
+        ("ghost", None, 1), ("nobody", None, 2), ("work", "wrok", 1)]
     work = next(q for q in status.queues if q.queue == "work")
     assert (work.completed_1m, work.completed_5m) == (1, 2)
     assert work.oldest_available_age is not None
@@ -94,8 +99,10 @@ async def test_status_names_unserved_queues_and_counts_throughput(db: Database) 
     assert [dict(w.queues or {}) for w in live] == [{"work": 2, "builds": 1}]
     # A live worker of an older version (no queues recorded) may serve anything.
     await db.execute("INSERT INTO nasiko_queue_workers (id, host, pid, kinds, lease_secs) "
-                     "VALUES (gen_random_uuid(), 'old', 1, '{}', 60)")
-    assert (await queue_status(db)).unserved == ()
+                     "VALUES (gen_random_uuid(), 'old', 1, ARRAY[$1], 60)", Work.kind)
+    # ... but no worker runs the typo'd kind.
+    assert [(u.queue, u.kind) for u in (await queue_status(db)).unserved] == [
+        ("work", "wrok")]
 
 
 def test_status_command_warns_about_unserved_queues(runner: CliRunner,  # noqa: F811
@@ -104,13 +111,15 @@ def test_status_command_warns_about_unserved_queues(runner: CliRunner,  # noqa: 
     result = invoke(runner, "status", "--dsn", dsn, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert [(u["queue"], u["waiting"]) for u in data["unserved"]] == [
-        ("ghost", 1), ("nobody", 2)]
+    assert [(u["queue"], u["kind"], u["waiting"]) for u in data["unserved"]] == [
+        ("ghost", None, 1), ("nobody", None, 2), ("work", "wrok", 1)]
     work = next(q for q in data["queues"] if q["queue"] == "work")
     assert (work["completed_1m"], work["completed_5m"]) == (1, 2)
     table = invoke(runner, "status", "--dsn", dsn)
     assert "WARNING: queue 'nobody' has 2 waiting jobs and no live worker serves it" \
         in table.stdout
+    assert "WARNING: queue 'work' has 1 waiting job of kind 'wrok', which no live worker " \
+        "runs" in " ".join(table.stdout.split())
     assert "work×2" in table.stdout
 
 
@@ -120,6 +129,10 @@ async def test_metrics_gauge_unserved_queues(db: Database) -> None:
     samples = {s.labels["queue"]: s.value for f in text_string_to_metric_families(text)
                for s in f.samples if s.name == "nasiko_queue_unserved_queue_jobs"}
     assert samples == {"ghost": 1.0, "nobody": 2.0}
+    kinds = {(s.labels["queue"], s.labels["kind"]): s.value
+             for f in text_string_to_metric_families(text)
+             for s in f.samples if s.name == "nasiko_queue_unserved_kind_jobs"}
+    assert kinds == {("work", "wrok"): 1.0}
 
 
 async def test_a_worker_registers_the_queues_it_serves(work_queue: Queue) -> None:  # noqa: F811
@@ -230,6 +243,7 @@ async def test_browser_running_scheduled_run_now_and_refresh(
     monkeypatch.setattr(web_pages, "REFRESH_SECS", 1)
     db = work_queue.db
     await work_queue.enqueue(Work(note="lost"), options=JobOptions(queue="nobody"))
+    await work_queue.enqueue_json("wrok", {}, options=JobOptions(queue="work"))  # a typo
     later = await work_queue.enqueue(Work(note="for later"), delay=3600)
     app = dashboard_app(db, token=TOKEN, config=work_queue.config)
     browser = _Browser(shots)
@@ -258,6 +272,8 @@ async def test_browser_running_scheduled_run_now_and_refresh(
                 page.goto(base + "/")
                 expect(page.locator("p.unserved[data-unserved=nobody]")).to_contain_text(
                     "no live worker serves it")
+                expect(page.locator("p.unserved[data-unserved-kind=wrok]")).to_contain_text(
+                    "which no live worker of that queue runs")
                 expect(page.locator("tr[data-queue=nobody] td.qstate")).to_contain_text(
                     "no worker")
                 expect(page.locator("tr[data-queue=nobody] td.oldest")).to_have_text(
@@ -422,7 +438,7 @@ async def test_overview_estimates_ended_jobs_on_a_big_table(db: Database) -> Non
     for name, state in (("q0", "completed"), ("q1", "completed"), ("q1", "cancelled")):
         want = getattr(exact[name], state)
         assert abs(getattr(rough[name], state) - want) <= want * 0.1, (name, state)
-    assert rough["builds"].completed == 0
+    assert "builds" not in rough  # no build job: no row of zeros (issue #46)
     app = dashboard_app(db, token=None)
     async with await _client(app) as client:
         page = (await client.get("/")).text
@@ -459,3 +475,20 @@ async def test_retention_prunes_old_operator_actions(db: Database) -> None:
     await prune(db, timedelta(days=30))
     assert await operator.job_events(db, old) == []
     assert len(await operator.job_events(db, recent)) == 1
+
+
+async def test_the_overview_lists_builds_last_and_only_when_build_jobs_exist(
+    db: Database, queue: Queue,
+) -> None:
+    from nasiko_queue.testing import enqueue_with_target
+
+    await queue.enqueue(Work(note="plain"))
+    assert [q.queue for q in await operator.queue_overview(db)] == ["work"]
+    await enqueue_with_target(queue, "Upload")
+    overview = await operator.queue_overview(db)
+    assert [q.queue for q in overview] == ["work", "builds"]
+    assert (overview[-1].available, overview[-1].oldest_available_age is not None) == (1, True)
+    async with await _client(dashboard_app(db, token=None)) as client:
+        page = (await client.get("/")).text
+    assert 'data-queue="builds"' in page
+    assert "not pausable" in page

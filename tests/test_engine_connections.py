@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 def _run(main: Callable[[], Awaitable[T]]) -> T:
-    # Not asyncio.run: trio_asyncio's policy would give it a trio-asyncio loop.
+    # A plain asyncio loop, named (see tests/plain_asyncio.py).
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
         return runner.run(main())  # type: ignore[arg-type]
 

@@ -93,6 +93,8 @@ _RUNS = {
         "sending urgent to ops@example.com attempt 1",
         "sending welcome to b@example.com attempt 1"]),
     "results": _Run(stdout=lambda out: out == ["https://cdn.example.com/a-64.png"]),
+    # A def executor ran in its thread and its result came back (issue #46).
+    "def executors": _Run(stdout=lambda out: out == ["6155f67e.png"]),
     # Limits across replicas (issue #23): each call ran; 4 starts in the window.
     "limits": _Run(stdout=lambda out: sorted(out) == [
         "api 2 Rate(limit=10, per=60.0) 4", "calling for acme", "calling for acme",
@@ -224,7 +226,7 @@ def _setup_commands(block: int | None = None) -> list[str]:
 
 def test_readme_names_the_setup_commands() -> None:
     assert _setup_commands() == [
-        "pip install .", "nasiko-queue demo",
+        "pip install '.[demo]'", "nasiko-queue demo",
         "pip install '.[test]'", "python -m pytest",
         'python -m pytest -m "not slow"',
     ]
@@ -236,7 +238,7 @@ def test_ci_runs_the_readme_setup_commands_as_printed() -> None:
     CI runs the whole, once, rather than a part of it again."""
     ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
     front_door = _setup_commands(0)
-    assert front_door == ["pip install .", "nasiko-queue demo",
+    assert front_door == ["pip install '.[demo]'", "nasiko-queue demo",
                           "pip install '.[test]'", "python -m pytest"]
     for command in front_door:
         assert command in ci, command

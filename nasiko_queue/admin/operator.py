@@ -273,7 +273,9 @@ class QueueOverview:
 async def queue_overview(db: Database, *, exact_below: int = EXACT_BELOW,
                          also: Sequence[str] = ()) -> list[QueueOverview]:
     """
-    Every queue's counts for the overview, "builds" first, then by name: jobs
+    Every queue's counts for the overview, by name, then "builds" (the build jobs,
+    listed only where the database holds any: an application that does not use
+    them sees no row of zeros; issue #46): jobs
     due, scheduled and running counted exactly (from the indexes of unfinished
     rows); ended ones counted exactly while the table holds fewer than
     `exact_below` rows, else estimated from the planner's statistics (no scan:
@@ -314,9 +316,11 @@ async def queue_overview(db: Database, *, exact_below: int = EXACT_BELOW,
     # Aggregates without GROUP BY: always one row.
     assert build is not None
     assert finished is not None
-    out.insert(0, QueueOverview(
+    builds = QueueOverview(
         queue="builds", available=build["available"], scheduled=0, running=build["running"],
         completed=int(finished["done"]), discarded=int(finished["failed"]) + build["deleted"],
-        cancelled=0, oldest_available_age=await db.fetchval(Q.jobs_oldest_pending_age),
-        estimated=big))
+        cancelled=0, oldest_available_age=None, estimated=big)
+    if builds.available or builds.running or builds.completed or builds.discarded:
+        out.append(attrs.evolve(builds, oldest_available_age=await db.fetchval(
+            Q.jobs_oldest_pending_age)))
     return out

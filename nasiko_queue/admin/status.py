@@ -101,18 +101,25 @@ class QueueCounts:
 
 @attrs.frozen(kw_only=True)
 class UnservedQueue:
-    """A queue that holds waiting jobs but that no live worker serves: they wait
-    until one that runs it starts (a typo in a queue name looks like this)."""
+    """Waiting jobs that no live worker will run: a queue no live worker serves
+    (`kind` None), or a kind of plain job that no live worker serving its queue
+    runs. They wait until a worker that runs them starts (a typo in a queue name
+    or a kind looks like this)."""
 
     queue: str
     #: Jobs waiting in it (due now or scheduled).
     waiting: int
     #: Seconds its oldest due job has waited (None: none is due yet).
     oldest_age: float | None
+    #: The kind no live worker of the queue runs; None: the whole queue is unserved.
+    kind: str | None = None
 
     def describe(self) -> str:
-        return (f"WARNING: queue {self.queue!r} has {self.waiting} waiting job"
-                f"{'' if self.waiting == 1 else 's'} and no live worker serves it")
+        jobs = f"{self.waiting} waiting job{'' if self.waiting == 1 else 's'}"
+        if self.kind is None:
+            return f"WARNING: queue {self.queue!r} has {jobs} and no live worker serves it"
+        return (f"WARNING: queue {self.queue!r} has {jobs} of kind {self.kind!r}, which no "
+                "live worker runs (a typo in the kind, or a worker not deployed yet)")
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -258,7 +265,8 @@ async def queue_throughput(db: Database) -> dict[str, tuple[int, int]]:
 async def unserved_queues(db: Database) -> tuple[UnservedQueue, ...]:
     """
     Queues holding waiting jobs that no live worker serves (by the `queues` each
-    worker registered; a worker of an older version counts as serving all).
+    worker registered; a worker of an older version counts as serving all), then
+    the kinds that no live worker of a served queue runs (`kind` set).
     Build jobs count as the queue "builds": workers of the original's code do not
     register, so a deployment that still runs them sees "builds" reported here.
     """

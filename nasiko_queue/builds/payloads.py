@@ -585,6 +585,11 @@ def _format_error(exc: BaseException, _type: object) -> str:
     return "invalid value"
 
 
+def describe_structure_error(exc: Exception) -> str:
+    """A value-free description of a structuring failure, naming the field(s)."""
+    return _describe(exc)
+
+
 def _describe(exc: Exception) -> str:
     """A value-free description of a structuring failure, naming the field(s)."""
     if isinstance(exc, cattrs.BaseValidationError):
@@ -772,13 +777,15 @@ class PayloadCodec:
         written as UTF-8, as serde_json writes it (PostgreSQL stores the same jsonb
         either way; the size check then counts the bytes the row holds).
 
-        Raises `InvalidPayload` for what jsonb would refuse, naming the field: a
+        Raises `InvalidPayload` for a value the worker's decoding would refuse (a
+        wrong type: ``Mail(to=5)``), and for what jsonb would refuse, naming the field: a
         NUL character (jsonb has no way to store one), a lone surrogate (no UTF-8
         form: the client could not even send it), a NaN or infinite float (not
         JSON); so that `enqueue_many` can say which payload it was instead of the
         server or the driver failing the whole statement.
         """
         data = self.encode(payload)
+        self._check_types(payload, data)
         try:
             text = _JSON.encode(data)
         except ValueError:  # allow_nan=False: no NaN or Infinity tokens
@@ -792,6 +799,26 @@ class PayloadCodec:
                                  "lone surrogate, which has no UTF-8 form (text to store "
                                  "must be valid Unicode)")
         return text
+
+    @staticmethod
+    def _check_types(payload: AnyPayload, data: dict[str, Any]) -> None:
+        """
+        Refuse at enqueue, naming the field, what the worker would refuse at its
+        claim: a value of the wrong type (attrs does not check annotations, so
+        ``Mail(to=5)`` constructs). The worker's own decoding, on the wire dict:
+        the same converter, sealed fields left out (they were sealed from
+        `Secret` values, which `encode` checked).
+        """
+        cls = type(payload)
+        body = data
+        if sealed := _sealed_fields(cls):
+            body = dict(data)
+            for field in sealed:
+                body[field.name] = {}
+        try:
+            converter.structure(body, cls)
+        except Exception as exc:
+            raise InvalidPayload(f"invalid {payload.kind} payload: {_describe(exc)}") from None
 
     def _seal(
         self, payload: AnyPayload, field: "attrs.Attribute[Any]", values: Mapping[str, Secret]

@@ -23,7 +23,7 @@ from .. import __version__
 from ..admin.retention import parse_duration
 from ..config import QueueConfig
 from ..engine.signals import EXIT_HARD_STOP as EXIT_HARD_STOP
-from ..errors import NasikoQueueError, leaves
+from ..errors import CannotConnect, NasikoQueueError, NotMigrated, leaves
 from ..web.bind import DASHBOARD_TOKEN_ENV as DASHBOARD_TOKEN_ENV  # re-exported
 
 log = logging.getLogger("nasiko_queue.cli")
@@ -93,7 +93,9 @@ def _explain(exc: BaseException, dsn: str | None) -> str | None:
     where = _where(dsn) if dsn else "the database"
     for leaf in leaves(exc):
         if isinstance(leaf, asyncpg.UndefinedTableError):
-            return (f"{where} has no nasiko-queue schema ({_first_line(leaf)}); "
+            # NotMigrated says what to do itself; the server's words are its cause.
+            said = leaf.__cause__ if isinstance(leaf, NotMigrated) and leaf.__cause__ else leaf
+            return (f"{where} has no nasiko-queue schema ({_first_line(said)}); "
                     "run `nasiko-queue migrate` first")
         if isinstance(leaf, asyncpg.PostgresError):
             return f"database error at {where}: {_first_line(leaf)}"
@@ -101,6 +103,8 @@ def _explain(exc: BaseException, dsn: str | None) -> str | None:
             return f"cannot use {where}: {_first_line(leaf)}"
         if isinstance(leaf, TimeoutError):
             return f"timed out talking to {where}"
+        if isinstance(leaf, CannotConnect):
+            return f"cannot connect to {where}: connection refused"
         if isinstance(leaf, OSError):
             return f"cannot connect to {where}: {leaf.strerror or _first_line(leaf)}"
         if isinstance(leaf, NasikoQueueError):

@@ -5,10 +5,11 @@ list, retry, cancel and discard jobs (the dead letters); enqueue a plain job.
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -34,9 +35,12 @@ from ..admin.jobs import (
     retry_matching,
 )
 from ..admin.view import JobView, job_view
+from ..builds.payloads import converter, describe_structure_error
 from ..config import QueueConfig
 from ..db.database import Database, open_database
+from ..db.statements import Q
 from ..errors import InvalidPayload
+from ..executors import Executors
 from ..job_errors import JobError, job_errors
 from ..plain.args import DEFAULT_QUEUE, JobOptions, Unique, check_run_at, delay_seconds
 from ..queue import Queue, plain_json_payload
@@ -50,6 +54,7 @@ from .common import (
     dsn_option,
     main,
 )
+from .worker import load_executors
 
 # -- job --------------------------------------------------------------------------
 
@@ -353,6 +358,37 @@ def _parse_delay(_ctx: click.Context, _param: click.Parameter,
         raise click.BadParameter(str(exc)) from None
 
 
+def _did_you_mean(kind: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(kind, sorted(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_registered(executors: Executors, kind: str, args: dict[str, Any], spec: str) -> None:
+    """Refuse a kind `executors` does not run, or arguments its type would not decode."""
+    types = {t.kind: t for t in executors.plain_types}
+    if kind not in types:
+        raise InvalidPayload(f"{spec} registers no plain job of kind {kind!r}"
+                             f"{_did_you_mean(kind, types)} (--any-kind enqueues it anyway)")
+    try:
+        converter.structure(args, types[kind])
+    except Exception as exc:
+        raise InvalidPayload(f"invalid {kind} payload: {describe_structure_error(exc)}"
+                             ) from None
+
+
+async def check_served(db: Database, kind: str) -> None:
+    """Refuse a kind that no live worker runs (a typo: given back every 15 s for ever)."""
+    live = {r["kind"] for r in await db.fetch(Q.workers_live_kinds)}
+    if kind in live:
+        return
+    if not live:
+        raise OperatorError(f"no live worker to check kind {kind!r} against: give --executors "
+                            "MODULE:ATTR (your registry), or --any-kind to enqueue it anyway")
+    raise OperatorError(f"no live worker runs kind {kind!r}{_did_you_mean(kind, live)} (give "
+                        "--executors MODULE:ATTR to check against your registry, or "
+                        "--any-kind to enqueue it anyway)")
+
+
 @main.command("enqueue", short_help="Enqueue a plain job; print its id.")
 @click.argument("kind")
 @click.argument("args_json", metavar="JSON", default="{}")
@@ -371,16 +407,23 @@ def _parse_delay(_ctx: click.Context, _param: click.Parameter,
 @click.option("--max-attempts", type=click.IntRange(min=1),
               default=JobOptions().max_attempts, show_default=True,
               help="Runs before the job is discarded.")
+@click.option("--executors", "executors_spec", default=None, metavar="MODULE:ATTR",
+              help="Check KIND and the JSON's field types against this registry, as the "
+                   "worker will decode them (default: against the kinds live workers run).")
+@click.option("--any-kind", is_flag=True,
+              help="Enqueue KIND even if no registry or live worker names it (a worker "
+                   "deployed later).")
 def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str, priority: int,
                     run_at: datetime | None, delay: float | None, unique_key: str | None,
-                    max_attempts: int) -> None:
+                    max_attempts: int, executors_spec: str | None, any_kind: bool) -> None:
     """
     Enqueue a plain job of KIND whose arguments are the JSON object JSON (default
     {}), and print its id: the row `Queue.enqueue` writes for a job of that kind
-    with those fields. KIND need not be known here; the worker that runs it
-    decodes the arguments (a field it does not know discards the job as
-    invalid). With --unique, a key held by a waiting or running job enqueues
-    nothing and prints that job's id (and says so on stderr).
+    with those fields. A KIND that no worker would run (a typo) is refused: with
+    --executors, KIND must be registered there and the JSON's fields are decoded
+    as the worker will; without it, a live worker must run KIND. --any-kind
+    enqueues it anyway. With --unique, a key held by a waiting or running job
+    enqueues nothing and prints that job's id (and says so on stderr).
 
         nasiko-queue enqueue send_email '{"to": "a@example.com"}' --queue email
     """
@@ -394,6 +437,8 @@ def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str, prio
             raise InvalidPayload("give --run-at or --delay, not both")
         options = JobOptions(queue=queue, priority=priority, max_attempts=max_attempts)
         unique = Unique(unique_key) if unique_key is not None else None
+        if executors_spec is not None and not any_kind:
+            check_registered(load_executors(executors_spec), kind, args, executors_spec)
     except json.JSONDecodeError as exc:
         raise OperatorError(f"JSON is not valid JSON ({exc})") from None
     except (InvalidPayload, ValueError) as exc:
@@ -402,6 +447,8 @@ def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str, prio
 
     async def go() -> tuple[uuid.UUID, bool]:
         async with open_database(dsn) as db:
+            if executors_spec is None and not any_kind:
+                await check_served(db, kind)
             return await Queue(db, config=QueueConfig())._enqueue_json(
                 kind, args, run_at=run_at, delay=delay, options=options, unique=unique)
 

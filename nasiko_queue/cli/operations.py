@@ -67,25 +67,28 @@ def status_command(dsn: str | None, stuck_job_mins: int, as_json: bool) -> None:
 
 
 def _render_status(console: Console, status: QueueStatus) -> None:
-    counts = Table(title="jobs by status")
-    counts.add_column("status")
-    counts.add_column("jobs", justify="right")
-    for name, n in status.counts.items():
-        counts.add_row(name, str(n))
-    console.print(counts)
+    """What the database holds, the general queue first: the queues of plain jobs,
+    the workers, then the build jobs (only where there are any: an application
+    that does not use them sees no build table of zeros)."""
+    if status.queues:
+        queues = Table(title="queues")
+        columns = ("available", "scheduled", "running", "completed", "discarded", "cancelled")
+        queues.add_column("queue")
+        for column in columns:
+            queues.add_column(column, justify="right")
+        queues.add_column("oldest due")
+        queues.add_column("done 1m/5m", justify="right")
+        for q in status.queues:
+            age = q.oldest_available_age
+            queues.add_row(escape(q.queue), *(str(getattr(q, c)) for c in columns),
+                           "-" if age is None else _duration(age),
+                           f"{q.completed_1m}/{q.completed_5m}")
+        console.print(queues)
+    elif not any(status.counts.values()):
+        console.print("no jobs yet")
 
-    held = Table(title="now", show_header=False)
-    held.add_column("what")
-    held.add_column("value")
-    held.add_row("in progress", str(status.in_progress))
-    held.add_row("oldest claim",
-                 status.oldest_picked_at.isoformat() if status.oldest_picked_at else "-")
-    stuck = f"{status.stuck} (over {status.stuck_job_mins} min)"
-    held.add_row("stuck", f"[yellow]{stuck}[/]" if status.stuck else stuck)
-    held.add_row("oldest pending",
-                 "-" if status.oldest_pending_age is None
-                 else _duration(status.oldest_pending_age))
-    console.print(held)
+    for unserved in status.unserved:
+        console.print(f"[bold yellow]{escape(unserved.describe())}[/]")
 
     workers = Table(title="workers")
     for column in ("id", "host", "pid", "state", "heartbeat", "holding", "roles", "queues"):
@@ -99,23 +102,27 @@ def _render_status(console: Console, status: QueueStatus) -> None:
                         ", ".join(w.roles) or "-", escape(served))
     console.print(workers)
 
-    if status.queues:
-        queues = Table(title="queues of plain jobs")
-        columns = ("available", "scheduled", "running", "completed", "discarded", "cancelled")
-        queues.add_column("queue")
-        for column in columns:
-            queues.add_column(column, justify="right")
-        queues.add_column("oldest due")
-        queues.add_column("done 1m/5m", justify="right")
-        for q in status.queues:
-            age = q.oldest_available_age
-            queues.add_row(escape(q.queue), *(str(getattr(q, c)) for c in columns),
-                           "-" if age is None else _duration(age),
-                           f"{q.completed_1m}/{q.completed_5m}")
-        console.print(queues)
+    if not any(status.counts.values()):
+        return
+    counts = Table(title="build jobs by status")
+    counts.add_column("status")
+    counts.add_column("jobs", justify="right")
+    for name, n in status.counts.items():
+        counts.add_row(name, str(n))
+    console.print(counts)
 
-    for unserved in status.unserved:
-        console.print(f"[bold yellow]{escape(unserved.describe())}[/]")
+    held = Table(title="build jobs now", show_header=False)
+    held.add_column("what")
+    held.add_column("value")
+    held.add_row("in progress", str(status.in_progress))
+    held.add_row("oldest claim",
+                 status.oldest_picked_at.isoformat() if status.oldest_picked_at else "-")
+    stuck = f"{status.stuck} (over {status.stuck_job_mins} min)"
+    held.add_row("stuck", f"[yellow]{stuck}[/]" if status.stuck else stuck)
+    held.add_row("oldest pending",
+                 "-" if status.oldest_pending_age is None
+                 else _duration(status.oldest_pending_age))
+    console.print(held)
 
     style = "bold yellow" if status.claim_plan.is_warning else "green"
     console.print(f"[{style}]{escape(status.claim_plan.describe())}[/]")

@@ -79,8 +79,17 @@ def load_executors(spec: str) -> Executors:
     own modules are found when the command runs from the project's folder.
     """
     target = _import_attribute(spec, "--executors")
-    if not isinstance(target, Executors) and callable(target):
-        target = target()
+    # A class is callable too (a JobArgs type named by mistake): never called.
+    if not isinstance(target, Executors | type) and callable(target):
+        try:
+            target = target()
+        except TypeError as exc:
+            raise OperatorError(f"--executors: {spec} could not be called with no arguments "
+                                f"({exc})") from None
+    if isinstance(target, type):
+        raise OperatorError(
+            f"--executors: {spec} is a class ({target.__name__}), not an Executors (or a "
+            "function with no arguments that returns one)")
     if not isinstance(target, Executors):
         raise OperatorError(
             f"--executors: {spec} is a {type(target).__name__}, not an Executors "

@@ -37,19 +37,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import asyncpg
 import attrs
 import trio
-import trio_asyncio
 
-from ..errors import OutcomeUnknown, is_connection_error, leaves
+from ..errors import CannotConnect, NotMigrated, OutcomeUnknown, is_connection_error, leaves
+from .bridge import trio_asyncio
 from .connections import ConnectionSet
 
 log = logging.getLogger("nasiko_queue.database")
+
+#: An undefined relation that is the queue's (its tables, or the build jobs' it creates).
+_QUEUE_TABLE = re.compile(r'relation "(nasiko_queue_\w+|build_jobs|agents|agent_builds|'
+                          r'mcp_connectors|mcp_connector_builds)" does not exist')
 
 T = TypeVar("T")
 
@@ -225,8 +231,36 @@ class Database:
                                    command_timeout=config.command_timeout)
 
     async def _cross(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run one asyncio coroutine on our loop; the single bridge crossing."""
-        return await self._loop.run_aio_coroutine(coro)  # type: ignore[no-any-return]
+        """
+        Run one asyncio coroutine on our loop; the single bridge crossing, so also
+        where the two mistakes everyone makes first get a message that says what to
+        do (same exception types, so handling and retries are unchanged): a server
+        that refuses the connection (`CannotConnect`, naming the host and port) and
+        a database that was never migrated (`NotMigrated`).
+        """
+        try:
+            return await self._loop.run_aio_coroutine(coro)  # type: ignore[no-any-return]
+        except ConnectionRefusedError as exc:
+            if isinstance(exc, CannotConnect):
+                raise
+            raise CannotConnect(f"cannot connect to PostgreSQL at {self._where()}: connection "
+                                "refused (is the server running there, and is the DSN "
+                                "right?)", exc.errno) from exc
+        except asyncpg.UndefinedTableError as exc:
+            if isinstance(exc, NotMigrated) or not _QUEUE_TABLE.search(str(exc)):
+                raise
+            raise NotMigrated(f"{exc}: this database has not been migrated for nasiko-queue; "
+                              "run `nasiko-queue migrate --dsn ...` (or `await nq.migrate(db)`)"
+                              ) from exc
+
+    def _where(self) -> str:
+        """HOST:PORT of the DSN (never its password)."""
+        parts = urlsplit(self.config.dsn)
+        try:
+            port = parts.port or 5432
+        except ValueError:
+            port = 5432
+        return f"{parts.hostname or 'localhost'}:{port}"
 
     async def run(self, op: Operation[T]) -> T:
         """Run `op(conn)` with a pooled connection, in one crossing."""
@@ -629,7 +663,8 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
     """
     if isinstance(config, str):
         config = DatabaseConfig(dsn=config)
-    loop = trio_asyncio.current_loop.get()
+    bridge = trio_asyncio()
+    loop = bridge.current_loop.get()
     if loop is not None:
         async with _pool(loop, config) as db:
             yield db
@@ -638,7 +673,7 @@ async def open_database(config: DatabaseConfig | str) -> AsyncIterator[Database]
     # the caller back the exception its own code raised.
     raised: BaseException | None = None
     try:
-        async with trio_asyncio.open_loop() as loop, _pool(loop, config) as db:
+        async with bridge.open_loop() as loop, _pool(loop, config) as db:
             try:
                 yield db
             except BaseException as exc:

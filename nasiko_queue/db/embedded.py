@@ -63,8 +63,9 @@ def find_bindir() -> Path:
         if _has_server(wheel):
             return wheel
     raise EmbeddedPostgresError(
-        "no PostgreSQL binaries found: install the 'pgserver' package "
-        "(pip install pgserver) or PostgreSQL itself, or set NASIKO_QUEUE_PG_BIN"
+        "no PostgreSQL binaries found: install the 'embedded' extra "
+        "(pip install 'nasiko-queue[embedded]', which brings pgserver's) or PostgreSQL "
+        "itself, or set NASIKO_QUEUE_PG_BIN"
     )
 
 

@@ -772,6 +772,15 @@ SELECT EXISTS (SELECT 1 FROM beat) AS alive, EXISTS (SELECT 1 FROM lead) AS lead
              WHERE j.claimed_by = $1 AND j.state = 'running' AND j.cancel_requested)
            AS cancels;
 
+-- name: worker_keep_alive
+-- The loop watch's renewal of worker $1 (engine/loop_watch.py), sent from a
+-- thread of its own while the worker's event loop is blocked: the row's
+-- heartbeat only (the leadership is left to expire: the blocked loop runs no
+-- maintenance), and only while the row is alive. Returns true if it renewed.
+UPDATE nasiko_queue_workers SET heartbeat_at = now()
+WHERE id = $1 AND dead_at IS NULL
+RETURNING true;
+
 -- name: worker_deregister
 -- A worker stops ($1): any role it held is released at once, and its row goes,
 -- unless it still holds jobs (a give-back that failed in an outage): then it is
@@ -795,6 +804,12 @@ WHERE id = $1 AND dead_at IS NULL AND (SELECT holds FROM held);
 -- A worker gives up its identity ($1): cut off from the database for too long, it
 -- stopped its jobs; declared dead, they are given back by the leader's rescue.
 UPDATE nasiko_queue_workers SET dead_at = now() WHERE id = $1 AND dead_at IS NULL;
+
+-- name: workers_live_kinds
+-- The kinds some live worker runs (not declared dead, heartbeat within its own
+-- lease): what `nasiko-queue enqueue` checks a kind against.
+SELECT DISTINCT unnest(kinds) AS kind FROM nasiko_queue_workers
+WHERE dead_at IS NULL AND heartbeat_at >= now() - make_interval(secs => lease_secs);
 
 -- name: workers_expired
 -- Live workers whose heartbeat is older than their own lease: presumed dead.
@@ -1720,32 +1735,45 @@ WHERE status IN ('done', 'failed') AND status = 'done'
 HAVING count(*) > 0;
 
 -- name: queues_unserved
--- Queues that hold waiting jobs (available, due or scheduled; build jobs
--- pending, as "builds") but that no live worker serves: no worker whose row is
--- alive (not declared dead, heartbeat within its lease) names the queue in its
--- `queues` (migration 0014). A live worker registered by an older version
--- (queues NULL) is taken to serve every queue. Reads only the waiting rows
--- (nasiko_queue_jobs_claim, build_jobs_work_queue); `oldest_age` is the seconds the
--- oldest due job has waited (NULL: none is due yet).
-WITH waiting AS (
-    SELECT queue, count(*)::int AS waiting,
+-- Waiting jobs no live worker will run: queues that hold waiting jobs
+-- (available, due or scheduled; build jobs pending, as "builds") but that no live
+-- worker serves (kind NULL), and, in a queue some live worker serves, each kind
+-- of plain job that none of those workers runs (a typo in a kind, or a worker not
+-- deployed yet: such a job is given back every 15 s for ever). A live worker is
+-- one whose row is alive (not declared dead, heartbeat within its lease); it
+-- serves the queues named in its `queues` (migration 0014: NULL, by an older
+-- version, is taken to serve every queue) and runs its `kinds`. Reads only the
+-- waiting rows; `oldest_age` is the seconds the oldest due job has waited (NULL:
+-- none is due yet).
+WITH live AS (
+    SELECT k.queues, k.kinds FROM nasiko_queue_workers AS k
+    WHERE k.dead_at IS NULL
+      AND k.heartbeat_at >= now() - make_interval(secs => k.lease_secs)
+), waiting AS (
+    SELECT queue, kind, count(*)::int AS waiting,
            extract(epoch FROM now() - min(run_at) FILTER (
                WHERE run_at <= now() AND isfinite(run_at)))::float8 AS oldest_age
     FROM nasiko_queue_jobs WHERE state = 'available'
-    GROUP BY queue
+    GROUP BY queue, kind
     UNION ALL
-    SELECT 'builds', count(*)::int, extract(epoch FROM now() - min(created_at))::float8
+    SELECT 'builds', NULL, count(*)::int, extract(epoch FROM now() - min(created_at))::float8
     FROM build_jobs WHERE status = 'pending'
     HAVING count(*) > 0
+), by_queue AS (
+    SELECT queue, sum(waiting)::int AS waiting, max(oldest_age) AS oldest_age
+    FROM waiting GROUP BY queue
 )
-SELECT w.queue, w.waiting, w.oldest_age
+SELECT q.queue, NULL::text AS kind, q.waiting, q.oldest_age
+FROM by_queue AS q
+WHERE NOT EXISTS (SELECT 1 FROM live AS k WHERE k.queues IS NULL OR k.queues ? q.queue)
+UNION ALL
+SELECT w.queue, w.kind, w.waiting, w.oldest_age
 FROM waiting AS w
-WHERE NOT EXISTS (
-    SELECT 1 FROM nasiko_queue_workers AS k
-    WHERE k.dead_at IS NULL
-      AND k.heartbeat_at >= now() - make_interval(secs => k.lease_secs)
-      AND (k.queues IS NULL OR k.queues ? w.queue))
-ORDER BY w.queue;
+WHERE w.kind IS NOT NULL
+  AND EXISTS (SELECT 1 FROM live AS k WHERE k.queues IS NULL OR k.queues ? w.queue)
+  AND NOT EXISTS (SELECT 1 FROM live AS k
+                  WHERE (k.queues IS NULL OR k.queues ? w.queue) AND w.kind = ANY (k.kinds))
+ORDER BY 1, 2 NULLS FIRST;
 
 -- name: jobs_running
 -- The running jobs, longest-running first (plain jobs since attempted_at, build

@@ -91,6 +91,8 @@ class Queries:
     queue_notify: str
     worker_register: str
     worker_heartbeat: str
+    worker_keep_alive: str
+    workers_live_kinds: str
     worker_deregister: str
     worker_retire: str
     workers_expired: str

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from uuid import UUID
@@ -41,6 +42,7 @@ import trio
 from ..config import QueueConfig
 from ..errors import is_transient
 from .contracts import MAINTENANCE_ROLE, JobStore, WorkerIdentity
+from .loop_watch import LoopWatch
 from .retry import one_line
 from .state import WorkerState
 
@@ -61,13 +63,15 @@ class HeartbeatService:
         on_cancels: called with the plain jobs the worker runs whose cancel was
             asked for, after every heartbeat that found some.
         queues: the queues the worker serves with their concurrency, for its row.
+        dsn: the database, for the loop watch (`loop_watch`), which renews the
+            lease from a thread while the event loop is blocked; None: no watch.
     """
 
     def __init__(self, state: WorkerState, store: JobStore, kinds: tuple[str, ...],
                  on_fence: Callable[[str], None], on_resume: Callable[[], None],
                  on_elected: Callable[[], None] = lambda: None,
                  on_cancels: Callable[[tuple[UUID, ...]], None] = lambda _ids: None,
-                 queues: tuple[tuple[str, int], ...] = ()) -> None:
+                 queues: tuple[tuple[str, int], ...] = (), dsn: str | None = None) -> None:
         self.state = state
         self.store = store
         self.kinds = kinds
@@ -84,6 +88,13 @@ class HeartbeatService:
         self._fence = trio.CancelScope()
         self._was_leader = False
         self._landed_at: float | None = None
+        #: Renews the lease from a thread while the loop is blocked (needs `dsn`).
+        self.watch = None if dsn is None else LoopWatch(
+            dsn, self._live_identity, self.config.heartbeat_interval)
+
+    def _live_identity(self) -> UUID | None:
+        identity = self.identity
+        return None if identity is None or self.state.fenced else identity.id
 
     @property
     def fence_after(self) -> float:
@@ -138,6 +149,8 @@ class HeartbeatService:
         """Heartbeat until cancelled; fence the worker when heartbeats stop landing."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch)
+            if self.watch is not None:
+                await nursery.start(self.watch.run)
             task_status.started()
             interval = self.config.heartbeat_interval
             while True:
@@ -190,6 +203,15 @@ class HeartbeatService:
         while True:
             with self._fence:
                 await trio.sleep_forever()
+            watch = self.watch
+            if (not self.state.fenced and watch is not None and watch.renewed_at is not None
+                    and watch.renewed_within(self.fence_after)):
+                # The loop was blocked (an executor's blocking call) and the watch
+                # kept the lease meanwhile: count from its last renewal.
+                since = time.monotonic() - watch.renewed_at
+                self._fence = trio.CancelScope(
+                    deadline=trio.current_time() + self.fence_after - since)
+                continue
             if not self.state.fenced:
                 # After a pause (SIGSTOP, a frozen VM) this fires before the next
                 # heartbeat's answer can say the worker was declared dead.

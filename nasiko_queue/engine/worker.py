@@ -184,7 +184,8 @@ class Worker:
                                           on_fence=self.fence, on_resume=self._resume,
                                           on_elected=self.rescuer.kick,
                                           on_cancels=self._cancel_running,
-                                          queues=self._served())
+                                          queues=self._served(),
+                                          dsn=None if queue.db is None else queue.db.config.dsn)
         self.sweeper = StuckJobSweeper(SweeperConfig.of(self.config), self._store,
                                        self.stats, on_swept=self.wake,
                                        leading=self.state.is_leader)

@@ -8,12 +8,12 @@ Load it from your ``conftest.py``::
 
 The server is the one named by ``NASIKO_QUEUE_TEST_DSN`` (a server you may
 create and drop databases on); without it, a private embedded PostgreSQL is
-started for the session (pgserver, installed with nasiko-queue). The schema is
-migrated once into a template database, and each test gets a copy of it
-(``CREATE DATABASE … TEMPLATE``, tens of milliseconds), dropped after: a test
-never sees another's rows, and nothing is written to any database you already
-have. ``DATABASE_URL`` is not read here: the state machines empty the tables of
-the database they are given.
+started for the session (the system's binaries, or pgserver's from the
+``embedded`` extra). The schema is migrated once into a template database, and
+each test gets a copy of it (``CREATE DATABASE … TEMPLATE``, tens of
+milliseconds), dropped after: a test never sees another's rows, and nothing is
+written to any database you already have. ``DATABASE_URL`` is not read here:
+the state machines empty the tables of the database they are given.
 """
 
 from __future__ import annotations

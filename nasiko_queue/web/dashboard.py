@@ -222,6 +222,7 @@ def dashboard_app(db: Database, *, token: str | None, read_only: bool = False,
                 "unserved": health["unserved"].get(q.queue)})
         return dash.render(request, "overview.html", queues=queues,
                            unserved=list(health["unserved"].values()),
+                           unserved_kinds=health["unserved_kinds"],
                            chart=await _throughput(db), **refresh_context(request))
 
     async def jobs(request: Request) -> Response:

@@ -121,9 +121,18 @@ class QueueCollector(Collector):
                 "Jobs waiting in a queue that no live worker serves (one series per such "
                 "queue; none while every queue with waiting jobs is served).",
                 labels=["queue"])
+            kinds = GaugeMetricFamily(
+                "nasiko_queue_unserved_kind_jobs",
+                "Jobs waiting in a served queue whose kind no live worker of that queue "
+                "runs (a typo in a kind; one series per such queue and kind).",
+                labels=["queue", "kind"])
             for row in self.unserved:
-                unserved.add_metric([row["queue"]], float(row["waiting"]))
+                if row["kind"] is None:
+                    unserved.add_metric([row["queue"]], float(row["waiting"]))
+                else:
+                    kinds.add_metric([row["queue"], row["kind"]], float(row["waiting"]))
             yield unserved
+            yield kinds
             yield self._runs(self.runs)
         if self.worker is not None:
             yield from self._worker(self.worker)

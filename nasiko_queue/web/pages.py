@@ -55,8 +55,10 @@ def refresh_context(request: Request) -> dict[str, Any]:
 
 async def queue_health(db: Database) -> dict[str, Any]:
     """The overview's per-queue extras: throughput and unserved queues, by name."""
+    unserved = await unserved_queues(db)
     return {"throughput": await queue_throughput(db),
-            "unserved": {u.queue: u for u in await unserved_queues(db)}}
+            "unserved": {u.queue: u for u in unserved if u.kind is None},
+            "unserved_kinds": [u for u in unserved if u.kind is not None]}
 
 
 def operator_routes(dash: _Dashboard, action: _Action) -> list[Route]:

@@ -20,7 +20,7 @@ so a deploy that changes the workflow never reshapes a run in flight.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
 import attrs
@@ -82,7 +82,8 @@ class StepContext:
     job: PlainJobContext[Any]
 
 
-StepFn = Callable[[StepContext], Awaitable[Any]]
+#: A step's code: an ``async def``, or a ``def`` (run in a worker thread).
+StepFn = Callable[[StepContext], Any]
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -22,6 +22,7 @@ from ..config import NOTIFY_CHANNEL
 from ..db.statements import Q
 from ..executors import Executors, PlainJobContext
 from ..plain.args import JobArgs, JobOptions
+from ..threaded import in_thread, is_async_callable
 from .definition import DEFAULT_WORKFLOW_QUEUE, Step, StepArgs, StepContext, Workflow
 
 log = logging.getLogger("nasiko_queue.workflows")
@@ -65,7 +66,8 @@ def _loads(text: str | None) -> Any:
 def step_executor(wf: Workflow, step: Step) -> Any:
     """The plain executor of `step`'s jobs."""
     assert step.fn is not None
-    fn = step.fn
+    fn = step.fn if is_async_callable(step.fn) else in_thread(
+        step.fn, f"workflow {wf.name} step {step.name}")
 
     async def run_step(ctx: PlainJobContext[StepArgs]) -> Any:
         args = ctx.payload
