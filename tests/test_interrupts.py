@@ -1,0 +1,56 @@
+"""
+Ctrl-C at any moment of start-up exits without a traceback (issue #46).
+
+`nasiko-queue worker` and `dashboard` are interrupted at moments spread over
+their start-up: during the imports (the console script's entry takes SIGINT
+quietly until the command is imported), during trio's start, and once running
+(the first signal stops gracefully). Every one must end with status 0 or 130 and
+no traceback. The moments are where the interrupt lands, not waits for anything;
+the first 20 ms (Python's own start-up, before any code of this package runs)
+are left out.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .test_cli import REPO
+
+#: Seconds after the start at which SIGINT is sent.
+MOMENTS = (0.03, 0.08, 0.15, 0.25, 0.4, 0.6, 0.9, 1.3)
+
+
+def _script() -> Path:
+    script = Path(sys.executable).parent / "nasiko-queue"
+    if not script.exists():
+        pytest.skip(f"no nasiko-queue console script beside {sys.executable}: the package "
+                    "is not installed in this environment")
+    return script
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [
+    ["worker", "--executors", "tests.cli_executors:executors"],
+    ["dashboard", "--bind", "127.0.0.1:0"],
+], ids=["worker", "dashboard"])
+def test_ctrl_c_during_start_up_prints_no_traceback(dsn: str, command: list[str]) -> None:
+    script = _script()
+    for moment in MOMENTS:
+        proc = subprocess.Popen([str(script), *command, "--dsn", dsn], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(moment)
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"SIGINT at {moment}s: still running 30 s later\n{out}")
+        assert proc.returncode in (0, 130), (moment, proc.returncode, out)
+        assert "Traceback" not in out, (moment, out)
