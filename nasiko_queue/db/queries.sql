@@ -735,6 +735,15 @@ SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1);
 -- Wake every listening worker (jobs went back to pending outside an enqueue).
 SELECT pg_notify($1, '');
 
+-- name: queue_notify_due
+-- Tell the workers serving one queue that a job of it falls due later (a
+-- retry after its backoff, a job given back for another worker): payload $2
+-- names the queue (`engine.listener.due_payload`), so that only its lanes
+-- re-read their next due time, and sleep until then instead of until their
+-- poll. Sent after the write commits, once per such job: an enqueue's NOTIFY
+-- already does this for the jobs it inserts, due or not.
+SELECT pg_notify($1, $2);
+
 -- The statements below serve worker registration, heartbeats, leadership and
 -- the rescue of a dead worker's jobs (migration 0008).
 
