@@ -287,3 +287,34 @@ async def test_a_wake_while_the_lane_reads_its_next_due_time_starts_the_job(
         await started(runs.event(Probe.kind, 1))
 
     await run_worker(worker, body)
+
+
+async def test_a_finish_whose_claim_never_ran_does_not_end_the_drain(db: Database) -> None:
+    """
+    One slot, busy: a probe is enqueued and heard, beginning a drain that
+    cannot claim until the slot frees. The slot's finish carries that claim;
+    its first try fails (a deadlock), and the retry records the finish alone,
+    claiming nothing. That empty answer is no short claim: the drain must claim
+    the probe, not end and leave it to the poll.
+    """
+    runs = Runs()
+    runs.release = trio.Event()  # the first probe holds the slot
+    worker = Worker(Queue(db, config=attrs.evolve(MINUTE, queues={"due": 1})),
+                    runs.executors())
+    [lane] = worker.lanes
+
+    async def body() -> None:
+        await worker.queue.enqueue(Probe())
+        await runs.event(Probe.kind, 1).wait()
+        finish = gate(worker, "finish_many_and_claim", fail_first_finish=True)
+        finish.armed = True
+        second = trio.Event()
+        runs.started[(Probe.kind, 1)] = second  # the next probe's start
+        await _enqueue_heard(worker, db)
+        assert lane.state.draining  # begun by the NOTIFY, waiting for room
+        runs.release.set()
+        with trio.fail_after(SOON):
+            await finish.in_flight.wait()
+        await started(second)
+
+    await run_worker(worker, body)
