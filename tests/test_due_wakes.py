@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import asyncpg
 import attrs
@@ -316,5 +316,45 @@ async def test_a_finish_whose_claim_never_ran_does_not_end_the_drain(db: Databas
         with trio.fail_after(SOON):
             await finish.in_flight.wait()
         await started(second)
+
+    await run_worker(worker, body)
+
+
+async def test_a_result_wait_that_hid_a_due_job_from_the_claim_wakes_its_queue(
+    db: Database,
+) -> None:
+    """
+    The wait for a job's result reads its row FOR SHARE (`result_wait_and_read`,
+    as `Queue.result` and `aio.result` send it), and a claim's SKIP LOCKED
+    passes such a row by: a caller that waits for the job it just enqueued
+    meets the claim its NOTIFY woke, the claim comes back short, and the drain
+    ends. Here the read is held open in a transaction of the test's over the
+    whole drain; once it commits, the job must start (the read's NOTIFY), not
+    at the poll.
+    """
+    from nasiko_queue.db.statements import Q
+
+    runs = Runs()
+    worker = Worker(Queue(db, config=MINUTE), runs.executors())
+    [lane] = worker.lanes
+
+    async def body() -> None:
+        await asleep(worker, lane)
+        # No NOTIFY and no in-process wake: the test wakes the worker itself,
+        # once the read holds the row.
+        job_id = await Queue(db, config=attrs.evolve(MINUTE, notify_channel=None)).enqueue(
+            Probe())
+        async with db.transaction() as tx:
+            row = await tx.fetchrow(Q.result_wait_and_read, job_id, uuid4(),
+                                    MINUTE.notify_channel)
+            assert row is not None
+            assert row["state"] == "available"
+            drains = lane.state.drains_completed
+            worker.wake()  # as the enqueue's NOTIFY would
+            with trio.fail_after(SOON):
+                while lane.state.drains_completed == drains or not lane.state.waiting:
+                    await worker.state.changed.park()
+            assert not runs.event(Probe.kind, 1).is_set()  # the claim passed it by
+        await started(runs.event(Probe.kind, 1))
 
     await run_worker(worker, body)

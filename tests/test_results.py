@@ -401,14 +401,14 @@ async def test_no_wait_is_recorded_for_a_job_that_is_not_there_or_has_ended(
     from nasiko_queue.db.statements import Q
 
     waits = "SELECT count(*) FROM nasiko_queue_result_waits"
-    assert await queue.db.fetchrow(Q.result_wait_and_read, uuid4(), uuid4()) is None
+    assert await queue.db.fetchrow(Q.result_wait_and_read, uuid4(), uuid4(), None) is None
     assert await queue.db.fetchrow(Q.workflow_result_wait_and_read, uuid4(), uuid4()) is None
     ended = await queue.enqueue(Resize(n=1))
     assert await queue.cancel(ended) == "cancelled"
-    row = await queue.db.fetchrow(Q.result_wait_and_read, ended, uuid4())
+    row = await queue.db.fetchrow(Q.result_wait_and_read, ended, uuid4(), None)
     assert row["state"] == "cancelled"
     assert await queue.db.fetchval(waits) == 0
     waiting = await queue.enqueue(Resize(n=2), delay=3600)
-    assert (await queue.db.fetchrow(Q.result_wait_and_read, waiting, uuid4()))["state"] \
+    assert (await queue.db.fetchrow(Q.result_wait_and_read, waiting, uuid4(), None))["state"] \
         == "available"
     assert await queue.db.fetchval(waits) == 1

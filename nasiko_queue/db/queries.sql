@@ -1383,6 +1383,16 @@ SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id 
 -- The wait is recorded only for a job that has not ended (as this statement's
 -- snapshot sees it: an end in flight is waited for by the read): a wait for no
 -- job, or for one already ended, would be removed by nothing but its waiter.
+--
+-- The row lock hides a job that is due from every claim meanwhile (FOR UPDATE
+-- SKIP LOCKED passes it by), and a claim that comes back short ends its
+-- worker's drain: a job waited for as soon as it was enqueued (the read and
+-- the claim its NOTIFY woke meet) then waited for the worker's poll, and
+-- again at the next read, whose interval is the poll's (issue #45). So a read
+-- that finds the job due and unclaimed NOTIFYs channel $3 (when not NULL),
+-- naming its queue as `engine.listener.due_payload` does ('queue:' || name):
+-- sent at commit, once the lock is gone, it makes that queue's lanes claim
+-- again. Only jobs somebody waits for, not yet started, pay for it.
 WITH waits AS (
     INSERT INTO nasiko_queue_result_waits (job_id, waiter)
     SELECT $1, $2 WHERE EXISTS (
@@ -1390,7 +1400,10 @@ WITH waits AS (
         WHERE id = $1 AND state NOT IN ('completed', 'discarded', 'cancelled'))
     ON CONFLICT DO NOTHING
 )
-SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id = $1
+SELECT state, result::text AS result, error_msg,
+       CASE WHEN state = 'available' AND run_at <= now() AND $3::text IS NOT NULL
+            THEN pg_notify($3, 'queue:' || queue) END AS woke
+FROM nasiko_queue_jobs WHERE id = $1
 FOR SHARE;
 
 -- name: result_wait_remove
