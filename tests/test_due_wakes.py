@@ -358,3 +358,71 @@ async def test_a_result_wait_that_hid_a_due_job_from_the_claim_wakes_its_queue(
         await started(runs.event(Probe.kind, 1))
 
     await run_worker(worker, body)
+
+
+# -- workflows: their steps are plain jobs, in the same lanes ------------------------
+
+#: As `MINUTE`, for the queue of workflow steps ("workflows").
+STEPS = attrs.evolve(FAST, poll_interval=60.0, concurrency=2, prefetch=0)
+
+
+async def test_a_delayed_step_starts_when_its_delay_ends(db: Database) -> None:
+    """The transition that enqueues a delayed step NOTIFYs: the lane reads when
+    the step falls due and sleeps until then, not until its poll."""
+    from nasiko_queue import StepContext, Workflow
+
+    wf = Workflow("due_delayed")
+    later = trio.Event()
+
+    @wf.step()
+    async def first(ctx: StepContext) -> int:
+        return 1
+
+    @wf.step(after=[first], delay=0.5)
+    async def second(ctx: StepContext) -> int:
+        later.set()
+        return 2
+
+    executors = Executors()
+    executors.register_workflow(wf)
+    queue = Queue(db, config=STEPS)
+    worker = Worker(queue, executors)
+
+    async def body() -> None:
+        await queue.start(wf)
+        await started(later)
+
+    await run_worker(worker, body)
+
+
+async def test_a_steps_retry_starts_when_its_backoff_ends(db: Database) -> None:
+    """A step's first attempt fails once its lane sleeps; its retry, after a
+    backoff of 0.2 s, must wake the lane (as a plain job's)."""
+    from nasiko_queue import StepContext, Workflow
+
+    wf = Workflow("due_retried")
+    first_try, fail, second_try = trio.Event(), trio.Event(), trio.Event()
+
+    @wf.step(backoff=lambda _attempt: 0.2)
+    async def flaky(ctx: StepContext) -> int:
+        if ctx.job.attempt == 1:
+            first_try.set()
+            await fail.wait()
+            raise RuntimeError("the first attempt fails")
+        second_try.set()
+        return 1
+
+    executors = Executors()
+    executors.register_workflow(wf)
+    queue = Queue(db, config=attrs.evolve(STEPS, listen=False))
+    worker = Worker(queue, executors)
+
+    async def body() -> None:
+        await queue.start(wf)
+        await started(first_try)
+        [lane] = [lane for lane in worker.lanes if lane.name == wf.queue]
+        await asleep(worker, lane)
+        fail.set()
+        await started(second_try)
+
+    await run_worker(worker, body)
