@@ -35,7 +35,7 @@ from uuid import UUID, uuid4
 import asyncpg
 
 from .builds.payloads import PayloadCodec
-from .config import MAX_PAYLOAD_BYTES
+from .config import MAX_PAYLOAD_BYTES, NOTIFY_CHANNEL
 from .db.statements import Q
 from .errors import JobFailed, NoSuchJob, ResultTimeout
 from .plain.args import Job, JobArgs, JobOptions, Unique
@@ -229,8 +229,10 @@ async def _wait(conn: asyncpg.Connection, ended: asyncio.Queue[str], job_id: UUI
             # an end in flight holds the row until it commits, so it is waited for,
             # not missed (as `Results.wait`).
             try:
+                # NOTIFY_CHANNEL: `enqueue`'s (the SQL function's default); a
+                # read that held the row while the job was due wakes its workers.
                 row = await conn.fetchrow(Q.result_wait_and_read, job_id, waiter,
-                                          timeout=RESULT_POLL)
+                                          NOTIFY_CHANNEL, timeout=RESULT_POLL)
             except TimeoutError as exc:
                 # No answer: the read waits for the row's lock (a transaction
                 # that holds it, ending or cancelling the job), or the peer is

@@ -403,15 +403,15 @@ async def test_no_wait_is_recorded_for_a_job_that_is_not_there_or_has_ended(
     from nasiko_queue.db.statements import Q
 
     waits = "SELECT count(*) FROM nasiko_queue_result_waits"
-    assert await queue.db.fetchrow(Q.result_wait_and_read, uuid4(), uuid4()) is None
+    assert await queue.db.fetchrow(Q.result_wait_and_read, uuid4(), uuid4(), None) is None
     assert await queue.db.fetchrow(Q.workflow_result_wait_and_read, uuid4(), uuid4()) is None
     ended = await queue.enqueue(Resize(n=1))
     assert await queue.cancel(ended) == "cancelled"
-    row = await queue.db.fetchrow(Q.result_wait_and_read, ended, uuid4())
+    row = await queue.db.fetchrow(Q.result_wait_and_read, ended, uuid4(), None)
     assert row["state"] == "cancelled"
     assert await queue.db.fetchval(waits) == 0
     waiting = await queue.enqueue(Resize(n=2), delay=3600)
-    assert (await queue.db.fetchrow(Q.result_wait_and_read, waiting, uuid4()))["state"] \
+    assert (await queue.db.fetchrow(Q.result_wait_and_read, waiting, uuid4(), None))["state"] \
         == "available"
     assert await queue.db.fetchval(waits) == 1
 
@@ -431,7 +431,7 @@ async def test_a_wait_recorded_while_the_end_commits_is_not_left_behind(
 
     if of == "job":
         target = await queue.enqueue(Resize(n=1), delay=3600)
-        end, read = "SELECT nasiko_queue_cancel($1)", Q.result_wait_and_read
+        end, read, extra = "SELECT nasiko_queue_cancel($1)", Q.result_wait_and_read, (None,)
     else:
         wf = Workflow("held")
 
@@ -442,14 +442,14 @@ async def test_a_wait_recorded_while_the_end_commits_is_not_left_behind(
         target = await queue.start(wf)
         end = ("UPDATE nasiko_queue_workflow_runs SET state = 'cancelled', "
                "finished_at = now() WHERE id = $1")
-        read = Q.workflow_result_wait_and_read
+        read, extra = Q.workflow_result_wait_and_read, ()
     rows: list[Any] = []
     with trio.fail_after(TEST_DEADLINE):
         async with trio.open_nursery() as nursery, queue.db.transaction() as tx:
             await tx.execute(end, target)
 
             async def wait_and_die() -> None:
-                rows.append(await queue.db.fetchrow(read, target, uuid4()))
+                rows.append(await queue.db.fetchrow(read, target, uuid4(), *extra))
 
             nursery.start_soon(wait_and_die)
             # Committed once the read is blocked on the ending transaction.

@@ -735,6 +735,15 @@ SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1);
 -- Wake every listening worker (jobs went back to pending outside an enqueue).
 SELECT pg_notify($1, '');
 
+-- name: queue_notify_due
+-- Tell the workers serving one queue that a job of it falls due later (a
+-- retry after its backoff, a job given back for another worker): payload $2
+-- names the queue (`engine.listener.due_payload`), so that only its lanes
+-- re-read their next due time, and sleep until then instead of until their
+-- poll. Sent after the write commits, once per such job: an enqueue's NOTIFY
+-- already does this for the jobs it inserts, due or not.
+SELECT pg_notify($1, $2);
+
 -- The statements below serve worker registration, heartbeats, leadership and
 -- the rescue of a dead worker's jobs (migration 0008).
 
@@ -1396,15 +1405,28 @@ SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id 
 -- a condition read in the statement's snapshot missed an end in flight (the
 -- trigger had deleted the waits before this one existed), so a waiter killed
 -- after its read left a wait no end would remove.
+--
+-- The row lock hides a job that is due from every claim meanwhile (FOR UPDATE
+-- SKIP LOCKED passes it by), and a claim that comes back short ends its
+-- worker's drain: a job waited for as soon as it was enqueued (the read and
+-- the claim its NOTIFY woke meet) then waited for the worker's poll, and
+-- again at the next read, whose interval is the poll's (issue #45). So a read
+-- that finds the job due and unclaimed NOTIFYs channel $3 (when not NULL),
+-- naming its queue as `engine.listener.due_payload` does ('queue:' || name):
+-- sent at commit, once the lock is gone, it makes that queue's lanes claim
+-- again. Only jobs somebody waits for, not yet started, pay for it.
 WITH job AS (
-    SELECT state, result, error_msg FROM nasiko_queue_jobs WHERE id = $1
+    SELECT state, result, error_msg, run_at, queue FROM nasiko_queue_jobs WHERE id = $1
     FOR SHARE
 ), waits AS (
     INSERT INTO nasiko_queue_result_waits (job_id, waiter)
     SELECT $1, $2 FROM job WHERE job.state NOT IN ('completed', 'discarded', 'cancelled')
     ON CONFLICT DO NOTHING
 )
-SELECT state, result::text AS result, error_msg FROM job;
+SELECT state, result::text AS result, error_msg,
+       CASE WHEN state = 'available' AND run_at <= now() AND $3::text IS NOT NULL
+            THEN pg_notify($3, 'queue:' || queue) END AS woke
+FROM job;
 
 -- name: result_wait_remove
 -- Waiter $2 no longer waits for job $1 (it got its answer, or gave up).

@@ -89,6 +89,7 @@ class Queries:
     job_errors_prune: str
     backend_alive: str
     queue_notify: str
+    queue_notify_due: str
     worker_register: str
     worker_heartbeat: str
     worker_keep_alive: str

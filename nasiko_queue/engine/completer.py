@@ -105,22 +105,29 @@ class Completer:
 
     async def send(self, batch: list[Finish], want: int,
                    starts: list[Starting] | None = None,
-                   budget: Budget | None = None) -> list[ClaimedJob]:
+                   budget: Budget | None = None) -> list[ClaimedJob] | None:
         """
         Record every outcome of `batch`, write `starts`, and claim up to `want`
-        jobs (on the first try only); return the claimed jobs. Retried until it
+        jobs (on the first try only); return the claimed jobs, or None when no
+        claim ran (the first try failed: the tries after it claim nothing), so
+        that the producer does not take an empty answer for a short claim and
+        end a drain that claimed nothing since its wake. Retried until it
         lands, or its `budget` (a stop's) is spent.
         """
         finishing = [(f.job, f.build_id, f.report) for f in batch]
         starting = starts or []
         tries = 0
 
+        claim_ran = False
+
         async def send_once() -> tuple[dict[UUID, JobStatus | None], list[ClaimedJob]]:
-            nonlocal tries
+            nonlocal tries, claim_ran
             tries += 1
             try:
-                return await self.store.finish_many_and_claim(
+                answer = await self.store.finish_many_and_claim(
                     finishing, want if tries == 1 else 0, starts=starting)
+                claim_ran = tries == 1
+                return answer
             except ClaimOutcomeUnknown as exc:
                 self.on_lost_claim(exc)  # given back; the finishes are sent again
                 raise OutcomeUnknown(str(exc)) from exc
@@ -139,7 +146,7 @@ class Completer:
         self.record(batch, statuses)
         if starting:
             self.state.stats.marked_building += len(starting)
-        return claimed
+        return claimed if claim_ran else None
 
     async def _finish_alone(self, finish: Finish,
                             budget: Budget | None) -> dict[UUID, JobStatus | None]:

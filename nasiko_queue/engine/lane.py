@@ -121,10 +121,12 @@ class Lane:
                 state.wake_event = trio.Event()
                 state.waiting = True
                 try:
-                    with trio.move_on_at(min(trio.current_time() + poll, state.next_due)):
+                    with trio.move_on_at(min(trio.current_time() + poll,
+                                             state.next_due)) as state.wait_scope:
                         await state.wake_event.wait()
                 finally:
                     state.waiting = False
+                    state.wait_scope = None
         finally:
             if state.drain_begun:  # begun by a wake just before the stop
                 state.drain_begun = False
@@ -144,14 +146,18 @@ class Lane:
         drain loop wakes for it then instead of at its next poll. An outage
         leaves the poll to find it.
         """
-        store = self.store
+        store, state = self.store, self.state
         if not isinstance(store, PlainJobStore):
             return
+        # What `LaneState.due_at` learns from here on outlives the answer, which
+        # may have been read before the write it learned of.
+        state.due_learned = float("inf")
         try:
             due = await store.next_due()
         except Exception as exc:
             log.warning("queue %r: could not read when the next job is due (%s)", self.name,
                         one_line(exc), exc_info=not is_transient(exc))
-            self.state.next_due = float("inf")
+            state.next_due = state.due_learned
             return
-        self.state.next_due = float("inf") if due is None else trio.current_time() + due
+        read = float("inf") if due is None else trio.current_time() + due
+        state.next_due = min(read, state.due_learned)

@@ -3,7 +3,9 @@ The listener: LISTEN on a dedicated connection, and every notification a wake.
 
 Every enqueue (in any process) sends one NOTIFY per transaction, and so do the
 statements that put jobs back to pending; the listener turns each into a wake of
-the worker, so that a job enqueued anywhere starts at once anywhere. The
+the worker, so that a job enqueued anywhere starts at once anywhere. A retry
+written with a backoff sends one naming its queue (`due_payload`): only that
+queue's lanes wake, to read when it falls due and sleep until then. The
 connection is a dedicated one (a pool's release would drop its listeners), and
 it is watched: when it is lost, the listener reconnects with backoff and then
 wakes the worker, since whatever was enqueued meanwhile sent its notification
@@ -27,6 +29,23 @@ from .state import WorkerState
 
 log = logging.getLogger("nasiko_queue.worker")
 
+#: How a notification names one queue (`due_payload`); any other payload
+#: (an enqueue's is empty) wakes every lane.
+QUEUE_PAYLOAD_PREFIX = "queue:"
+
+
+def due_payload(queue: str) -> str:
+    """The payload of a notification for queue `queue` alone: a job of it falls
+    due later (statement `queue_notify_due`)."""
+    return QUEUE_PAYLOAD_PREFIX + queue
+
+
+def payload_queue(payload: str) -> str | None:
+    """The queue a notification names (`due_payload`); None: it is for every lane."""
+    if payload.startswith(QUEUE_PAYLOAD_PREFIX):
+        return payload[len(QUEUE_PAYLOAD_PREFIX):]
+    return None
+
 
 class Listener:
     """
@@ -36,21 +55,28 @@ class Listener:
         db: opens the dedicated connection.
         channel: the NOTIFY channel (`QueueConfig.notify_channel`).
         state: the counters (`listen_connects`, `notifications`, `listen_hangs`).
-        wake: the worker's wake, called for every notification; never blocks.
+        wake: the worker's wake (every lane), after a reconnect; never blocks.
+        on_notify: called with each notification's payload (None: `wake`); it
+            wakes the lanes the payload names (`payload_queue`); never blocks.
     """
 
     def __init__(self, db: Database, channel: str, state: WorkerState,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None],
+                 on_notify: Callable[[str], None] | None = None) -> None:
         self.db = db
         self.channel = channel
         self.state = state
         self.wake = wake
+        self.on_notify = on_notify
         self.config: QueueConfig = state.config
 
-    def _on_notification(self, _payload: str) -> None:
+    def _on_notification(self, payload: str) -> None:
         """Runs on the trio thread, from asyncpg's listener callback; never blocks."""
         self.state.stats.notifications += 1
-        self.wake()
+        if self.on_notify is None:
+            self.wake()
+        else:
+            self.on_notify(payload)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """

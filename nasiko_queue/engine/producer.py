@@ -138,8 +138,11 @@ class Producer:
                              starts: list[Starting] | None = None,
                              budget: Budget | None = None) -> None:
         try:
-            await self._accept(await self.completer.send(batch, want, starts, budget=budget),
-                               want, sent)
+            claimed = await self.completer.send(batch, want, starts, budget=budget)
+            if claimed is None:  # no claim ran: the drain goes on, and claims again
+                await self._accept([], 0, sent)
+            else:
+                await self._accept(claimed, want, sent)
         finally:
             self._done(want)
 

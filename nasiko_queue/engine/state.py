@@ -298,8 +298,16 @@ class LaneState:
     drains_started: int = 0
     drains_completed: int = 0
     #: Trio time at which this lane's next scheduled job is due (plain lanes);
-    #: the drain loop wakes then, not at its next poll.
+    #: the drain loop wakes then, not at its next poll. Read from the database
+    #: after each drain (`Lane.refresh_due`) and lowered by `due_at` whenever
+    #: this worker learns of an earlier one (a retry it wrote).
     next_due: float = float("inf")
+    #: The earliest due time `due_at` learned since the read under way began:
+    #: kept over that read's answer, which may predate the write it learned of.
+    due_learned: float = float("inf")
+    #: The drain loop's wait (`move_on_at` the poll or `next_due`), while it
+    #: waits: `due_at` brings its deadline forward.
+    wait_scope: trio.CancelScope | None = None
     #: The drain loop waits for a wake (or its poll): a wake begins the drain.
     waiting: bool = False
     #: A drain was begun (by a wake) that the drain loop has yet to wait for.
@@ -371,6 +379,23 @@ class LaneState:
         with trio.move_on_at(deadline):
             await self.kicked.wait()
         self.kicked = trio.Event()
+
+    # -- due times -------------------------------------------------------------
+
+    def due_at(self, at: float) -> None:
+        """
+        A job of this lane falls due at trio time `at` (this worker wrote it: a
+        retry after its backoff): the drain loop wakes then, whatever it is
+        doing now. Its wait, if it waits, is re-armed to the earlier time; a
+        read of the next due time under way keeps it too (its answer may have
+        been read before the write); a drain under way leaves it in `next_due`
+        for the wait that follows. Never blocks.
+        """
+        self.next_due = min(self.next_due, at)
+        self.due_learned = min(self.due_learned, at)
+        scope = self.wait_scope
+        if scope is not None and at < scope.deadline:
+            scope.deadline = at
 
     # -- drains ----------------------------------------------------------------
 

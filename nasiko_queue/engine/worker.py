@@ -90,7 +90,7 @@ from .completer import Completer
 from .contracts import JobStore, LaneStore
 from .heartbeat import HeartbeatService
 from .lane import Lane
-from .listener import Listener
+from .listener import Listener, payload_queue
 from .maintenance import JobRescuer, Pruner, RescuerConfig, StuckJobSweeper, SweeperConfig
 from .producer import Producer
 from .retry import RetryPolicy, one_line
@@ -310,6 +310,21 @@ class Worker:
         """
         self._wake()
 
+    def _on_notify(self, payload: str) -> None:
+        """
+        A notification: a wake of every lane, or, when it names a queue
+        (`listener.payload_queue`: a job of it falls due later), of that
+        queue's lane alone, which drains and then reads when its next job is
+        due. One this worker does not serve wakes nothing.
+        """
+        queue = payload_queue(payload)
+        if queue is None or not self._lanes_running:
+            self.wake()
+            return
+        for lane in self.lanes:
+            if lane.name == queue:
+                lane.wake()
+
     def _wake(self) -> list[bool]:
         """`wake`; for each lane, True when a drain under way answers it."""
         if self._lanes_running:
@@ -415,7 +430,8 @@ class Worker:
                     await timers.start(self.scheduler.run)
                 channel = self.config.notify_channel
                 if self.config.listen and channel is not None:
-                    listener = Listener(self.queue.db, channel, state, self.wake)
+                    listener = Listener(self.queue.db, channel, state, self.wake,
+                                        self._on_notify)
                     await timers.start(listener.run)
                 try:
                     async with trio.open_nursery() as work:

@@ -241,6 +241,24 @@ class PlainJobExecutor(Slots[PlainJobStore]):
             log.info("job %s: attempt %d failed; next run in %.1fs", job.id, job.attempt, delay)
             if delay <= 0:
                 self.wake()
+            else:
+                # Its lane wakes when the backoff ends, not at its next poll: no
+                # drain follows this write to read when the job falls due.
+                self.state.due_at(trio.current_time() + delay)
+            await self._tell_due(job)
+
+    async def _tell_due(self, job: ClaimedJob) -> None:
+        """
+        The job is available again (now or after its backoff): tell the other
+        workers serving its queue, which would else find it only at their poll
+        (this worker may be busy, or gone, by then). One NOTIFY per such job;
+        a failure is logged, and their poll finds the job.
+        """
+        try:
+            await self.store.notify_due()
+        except Exception as exc:
+            log.warning("job %s: could not tell the other workers when it is due (%s); "
+                        "their poll will find it", job.id, one_line(exc))
 
     async def _defer(self, job: ClaimedJob, missing: JobError) -> None:
         """No executor for the job's kind here (a rolling deploy): back for another
@@ -259,6 +277,7 @@ class PlainJobExecutor(Slots[PlainJobStore]):
             self.state.stats.retried += 1
             log.error("job %s: %s; given back unrun, for a worker that has one, in %.1fs",
                       job.id, missing.message, delay)
+            await self._tell_due(job)
 
     async def _discard(self, job: ClaimedJob, why: str) -> str | None:
         return DISCARDED if await self.store.end(job, DISCARDED, why) else None

@@ -138,7 +138,10 @@ class Results:
             return False, None
 
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            return await self._wait(job_id, Q.plain_result, Q.result_wait_and_read, conclude)
+            # The jobs' channel: a read that held the row while the job was due
+            # wakes its queue's workers (statement `result_wait_and_read`).
+            return await self._wait(job_id, Q.plain_result, Q.result_wait_and_read, conclude,
+                                    (self._config.notify_channel,))
         assert scope.cancelled_caught
         raise ResultTimeout(f"job {job_id} had not ended after {timeout}s")
 
@@ -171,7 +174,8 @@ class Results:
         raise ResultTimeout(f"run {run_id} had not ended after {timeout}s")
 
     async def _wait(self, job_id: UUID, read: str, wait_and_read: str,
-                    conclude: Callable[[Any], tuple[bool, Any]]) -> Any:
+                    conclude: Callable[[Any], tuple[bool, Any]],
+                    wait_args: tuple[object, ...] = ()) -> Any:
         """Read row `read` of `job_id` (a job's or a run's) until `conclude` says it
         has ended (True and the value), woken by its NOTIFY in between. While LISTEN
         is up, `wait_and_read` records the wait and reads the row FOR SHARE in one
@@ -188,7 +192,8 @@ class Results:
                 try:
                     if armed:
                         recorded = True  # before the insert: removing a row not there is
-                        row = await self._db.fetchrow(wait_and_read, job_id, waiter)  # harmless
+                        row = await self._db.fetchrow(wait_and_read, job_id,  # harmless
+                                                      waiter, *wait_args)
                     else:
                         row = await self._db.fetchrow(read, job_id)
                 except Exception as exc:

@@ -32,6 +32,7 @@ from ..engine.contracts import (
     LostClaim,
     Starting,
 )
+from ..engine.listener import due_payload
 from ..engine.retry import one_line
 from ..job_errors import JobError, storable
 from .limits import LIMIT_RECHECK
@@ -218,4 +219,15 @@ class PlainJobStore:
         if channel is not None:
             await self._db.run_bounded(
                 lambda conn: conn.execute(Q.queue_notify, channel, timeout=self._bound),
+                bound=self._bound)
+
+    async def notify_due(self) -> None:
+        """Tell the workers serving this queue that a job of it falls due later
+        (a retry after its backoff): they read when, and wake then."""
+        channel = self._config.notify_channel
+        if channel is not None:
+            payload = due_payload(self.queue)
+            await self._db.run_bounded(
+                lambda conn: conn.execute(Q.queue_notify_due, channel, payload,
+                                          timeout=self._bound),
                 bound=self._bound)
