@@ -1,5 +1,7 @@
 """
-A run's cancel racing a step's claim (issue #45, bug 3): the stop is never lost.
+A run's cancel racing a step's claim (issue #45, bug 3): the stop is never lost;
+and a cancel the server aborts for a parent/child lock cycle is run again by the
+asyncio client too (a suspicion of the same issue, found real).
 
 A run's end (its cancel, or a step's failure) stops its unfinished steps, but
 skips a step job whose row another transaction holds: waiting there, under the
@@ -21,16 +23,18 @@ from __future__ import annotations
 import contextlib
 from uuid import UUID
 
+import asyncpg
 import attrs
 import pytest
 import trio
 
-from nasiko_queue import Executors, Queue, StepContext, Workflow
+from nasiko_queue import CancelResult, Executors, Queue, StepContext, Workflow, aio
 from nasiko_queue.db.database import Database
 from nasiko_queue.db.statements import Q
 
 from .conftest import FAST
 from .helpers import TEST_DEADLINE, running
+from .plain_asyncio import run_asyncio
 from .test_cancel_race import BLOCKED_BY, _blocked_by
 
 #: A heartbeat short enough that a step asked to stop ends at once (its worker
@@ -151,3 +155,85 @@ async def test_a_runs_cancel_reaches_a_step_whose_claim_is_in_flight(
             assert await queue.run_result(run_id, timeout=TEST_DEADLINE) == "ran"
     assert ran == ["b"]
 
+
+async def test_an_aio_cancel_the_server_aborts_for_a_deadlock_is_run_again(
+    db: Database, dsn: str
+) -> None:
+    """
+    Suspicion of issue #45: cancelling a child run's step job locks the job, the
+    child run (its trigger) and then the parent (the child's cancel reaches it);
+    a parent's cancel locks the parent and then the child. Met head on, the
+    server aborts one: the trio API runs its side again (`retry_conflicts`),
+    `aio.cancel` raised DeadlockDetectedError. It is run again now, in a
+    savepoint of the caller's transaction when there is one.
+
+    Deterministic: the aio cancel is held (the child's end-of-run lock, taken
+    by the test) once it has locked the job and the child; the parent's cancel
+    then waits for the child; released, the aio cancel waits for the parent and
+    closes the cycle, and its session, whose deadlock_timeout is 20 ms against
+    the other's 10 s, is the one aborted.
+    """
+    child = Workflow("quick")
+
+    @child.step()
+    async def only(ctx: StepContext) -> int:
+        return 1
+
+    parent = Workflow("waiter")
+    parent.child("sub", child)
+    queue = Queue(db, config=CONFIG)
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    child_id = view.step("sub").child_run
+    job_id = await db.fetchval("SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1",
+                               child_id)
+    outcomes: list[object] = []
+
+    async def aio_cancel() -> None:
+        async def main() -> object:
+            conn = await asyncpg.connect(dsn, server_settings={"deadlock_timeout": "20ms"})
+            try:
+                async with conn.transaction():  # the application's own
+                    return await aio.cancel(conn, job_id)
+            finally:
+                await conn.close()
+
+        try:
+            outcomes.append(await trio.to_thread.run_sync(run_asyncio, main()))
+        except asyncpg.DeadlockDetectedError as exc:
+            outcomes.append(exc)
+
+    answers: list[str] = []
+    with trio.fail_after(TEST_DEADLINE):
+        async with trio.open_nursery() as outer, db.transaction() as cancelling:
+            await cancelling.execute("SET LOCAL deadlock_timeout = '10s'")
+            # The parent's cancel has locked the parent run.
+            await cancelling.execute("SELECT 1 FROM nasiko_queue_workflow_runs WHERE id = $1 "
+                                     "FOR UPDATE", run_id)
+
+            async def cancel_parent() -> None:
+                answers.append(await cancelling.fetchval(Q.workflow_cancel, run_id))
+
+            async with trio.open_nursery() as inner, db.transaction() as hold:
+                await hold.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext('nasiko_queue.run_end'), "
+                    "hashtext($1::uuid::text))", child_id)
+                outer.start_soon(aio_cancel)
+                # The aio cancel holds the job and the child run, and waits here.
+                await _blocked_by(db, await _pid(hold))
+                aio_pid = await db.fetchval(
+                    "SELECT pid FROM pg_stat_activity WHERE $1::int = ANY "
+                    "(pg_blocking_pids(pid))", await _pid(hold))
+                inner.start_soon(cancel_parent)
+                # The parent's cancel reaches the child run, which the aio cancel holds.
+                await _blocked_by(db, aio_pid)
+                # Released on leaving: the aio cancel wants the parent, a cycle; the
+                # server aborts the aio cancel, and the parent's cancel ends.
+            # The parent's cancel commits; the aio cancel, run again, finds the job
+            # cancelled by it.
+    assert answers == ["cancelled"]
+    assert outcomes == [CancelResult.ALREADY_CANCELLED]
+    view = await queue.run(child_id)
+    assert view is not None
+    assert view.state == "cancelled"
