@@ -29,8 +29,9 @@
 --
 -- The lock is taken only where runs end, never by a transition that goes on:
 -- an executor never waits behind a fan-out's transitions, only behind an end of
--- its own run in flight (or of a run whose id hashes alike: a wait as short).
--- The shared lock is uncontended otherwise and writes nothing.
+-- its own run in flight (or of a run whose id hashes alike, one pair in 2^32),
+-- for as long as that end's transaction lasts. Uncontended otherwise, the
+-- shared lock writes nothing: the executor's cost is one round trip.
 --
 -- Safe on a live database: CREATE OR REPLACE of 0018's function, same
 -- signature, and a new function. A step executor of the code before this one
