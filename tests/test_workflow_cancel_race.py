@@ -59,7 +59,14 @@ CREATE TRIGGER test_gate_claim BEFORE UPDATE OF state ON nasiko_queue_jobs
 """
 
 STEP_JOB = """
-SELECT state, cancel_requested, attempt FROM nasiko_queue_jobs WHERE workflow_run = $1
+SELECT state, cancel_requested, attempt FROM nasiko_queue_jobs
+WHERE workflow_run = $1 AND payload ->> 'step' = $2
+"""
+
+#: An operator's discard of step job $1: its step fails, and its run.
+DISCARD = """
+UPDATE nasiko_queue_jobs SET state = 'discarded', finished_at = now(), error_msg = 'boom'
+WHERE id = $1
 """
 
 
@@ -92,10 +99,10 @@ async def _until_waiting_or_ran(db: Database, pid: int, ran: list[str]) -> None:
         await trio.sleep(0.005)
 
 
-async def _step_job_ended(db: Database, run_id: UUID) -> str:
-    """The step job's state once it has ended (read again until then)."""
+async def _step_job_ended(db: Database, run_id: UUID, step: str = "b") -> str:
+    """Step `step`'s job's state once it has ended (read again until then)."""
     while True:
-        row = await db.fetchrow(STEP_JOB, run_id)
+        row = await db.fetchrow(STEP_JOB, run_id, step)
         if row["state"] not in ("available", "running"):
             return str(row["state"])
         await trio.sleep(0.01)
@@ -142,7 +149,7 @@ async def test_a_runs_cancel_reaches_a_step_whose_claim_is_in_flight(
             assert await _step_job_ended(db, run_id) == "cancelled"
             await worker.wait_for(lambda s: s.running == 0)
     assert ran == []
-    row = await db.fetchrow(STEP_JOB, run_id)
+    row = await db.fetchrow(STEP_JOB, run_id, "b")
     assert (row["state"], row["cancel_requested"], row["attempt"]) == ("cancelled", True, 1)
     view = await queue.run(run_id)
     assert view is not None
@@ -155,6 +162,53 @@ async def test_a_runs_cancel_reaches_a_step_whose_claim_is_in_flight(
             assert await queue.run_result(run_id, timeout=TEST_DEADLINE) == "ran"
     assert ran == ["b"]
 
+
+async def test_a_runs_failure_reaches_a_step_whose_claim_is_in_flight(db: Database) -> None:
+    """
+    The other end of a run, by the same rule: a step fails (its job discarded,
+    by an operator's statement in an application's transaction) while a
+    worker's claim of a sibling step holds that one's row. The run fails; the
+    sibling's function never runs and its job ends `cancelled`. Before the
+    fix: the sibling ran and ended `completed`.
+    """
+    queue = Queue(db, config=CONFIG)
+    ran: list[str] = []
+    wf = Workflow("fails")
+
+    @wf.step(delay=3600)  # due later: never claimed here
+    async def a(ctx: StepContext) -> None:
+        ran.append(ctx.step)
+
+    @wf.step()
+    async def b(ctx: StepContext) -> str:
+        ran.append(ctx.step)
+        return "ran"
+
+    run_id = await queue.start(wf)
+    a_job = await db.fetchval("SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+                              "AND payload ->> 'step' = 'a'", run_id)
+    await db.execute(GATE_CLAIMS)
+    with trio.fail_after(TEST_DEADLINE):
+        async with contextlib.AsyncExitStack() as workers, \
+                contextlib.AsyncExitStack() as gated, contextlib.AsyncExitStack() as app_stack:
+            gate = await gated.enter_async_context(db.transaction())
+            await gate.execute("SELECT pg_advisory_xact_lock($1)", GATE)
+            worker = await workers.enter_async_context(running(queue, executors_for(wf)))
+            # The worker's claim has locked b's job's row and waits at the gate.
+            await _blocked_by(db, await _pid(gate))
+            app = await app_stack.enter_async_context(db.transaction())
+            await app.execute(DISCARD, a_job)
+            app_pid = await _pid(app)
+            await gated.aclose()  # the gate opens: the claim commits, the executor starts
+            await _until_waiting_or_ran(db, app_pid, ran)
+            await app_stack.aclose()  # the failure commits
+            assert await _step_job_ended(db, run_id, "b") == "cancelled"
+            await worker.wait_for(lambda s: s.running == 0)
+    assert ran == []
+    view = await queue.run(run_id)
+    assert view is not None
+    assert (view.state, view.failed_step, view.step("a").state, view.step("b").state) == (
+        "failed", "a", "failed", "cancelled")
 
 async def test_an_aio_cancel_the_server_aborts_for_a_deadlock_is_run_again(
     db: Database, dsn: str
