@@ -36,6 +36,7 @@ import asyncpg
 
 from .builds.payloads import PayloadCodec
 from .config import MAX_PAYLOAD_BYTES, NOTIFY_CHANNEL
+from .db.database import CONFLICT_TRIES
 from .db.statements import Q
 from .errors import JobFailed, NoSuchJob, ResultTimeout
 from .plain.args import Job, JobArgs, JobOptions, Unique
@@ -111,9 +112,36 @@ async def enqueue_many(
 
 async def cancel(conn: AsyncpgConn, job_id: UUID) -> CancelResult | None:
     """Cancel a plain job, as `Queue.cancel` does (the rule is the database's,
-    migration 0013); None when no plain job has this id."""
-    answer: str | None = await conn.fetchval(Q.plain_cancel, job_id)
+    migration 0013); None when no plain job has this id.
+
+    A workflow step's cancel locks its run, then (a child run's) the parent run,
+    and may meet a parent's cancel locking them the other way round: PostgreSQL
+    aborts one side. Run again, as the trio API runs it (up to
+    `CONFLICT_TRIES` times), each try in a savepoint of the caller's
+    transaction (or a transaction of its own), so that an abort leaves the
+    caller's transaction usable; a cycle through rows the caller's transaction
+    locked before this call raises after the last try (retry that transaction)."""
+    answer: str | None = await _run_again_on_conflict(conn, Q.plain_cancel, job_id)
     return None if answer is None else CancelResult(answer)
+
+
+async def _run_again_on_conflict(conn: AsyncpgConn, statement: str, *args: Any) -> Any:
+    """`fetchval(statement, *args)`, run again when PostgreSQL aborted it for a
+    deadlock or a serialization failure (`db.database.retry_conflicts`, on
+    asyncio): each try in a savepoint, or a transaction of its own (on a pool,
+    on a connection of its own)."""
+    for attempt in range(1, CONFLICT_TRIES + 1):
+        try:
+            if isinstance(conn, asyncpg.Pool):
+                async with conn.acquire() as held, held.transaction():
+                    return await held.fetchval(statement, *args)
+            async with conn.transaction():
+                return await conn.fetchval(statement, *args)
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
+            if attempt == CONFLICT_TRIES:
+                raise
+            await asyncio.sleep(0.01 * 2 ** attempt)
+    raise AssertionError("unreachable")
 
 
 @overload

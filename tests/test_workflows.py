@@ -1121,7 +1121,10 @@ async def test_a_cancel_skips_a_step_job_another_transaction_holds_and_it_never_
 ) -> None:
     """The completer holds a step job's row while its trigger waits for the run's
     row; a cancel holding the run's row must not wait for the job's (a deadlock).
-    It skips it; the job, claimed later, finds its run ended and does not run."""
+    It skips it; the job, claimed later, finds its run ended and does not run:
+    it asks to stop, and ends `cancelled` at its worker's heartbeat (migration
+    0034; it ended `completed` before, having completed nothing)."""
+    queue = Queue(queue.db, config=WORKFLOW_CONFIG)
     wf = Workflow("held")
     ran: list[str] = []
 
@@ -1138,11 +1141,13 @@ async def test_a_cancel_skips_a_step_job_another_transaction_holds_and_it_never_
     assert await queue.db.fetchval(
         "SELECT state FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id) == "available"
     async with running(queue, executors_for(wf)) as worker:
-        await worker.wait_for(lambda s: s.done >= 1)
+        await worker.wait_for(lambda s: s.cancelled >= 1)
     assert ran == []
     view = await queue.run(run_id)
     assert view is not None
     assert (view.state, view.step("only").state) == ("cancelled", "cancelled")
+    assert await queue.db.fetchval(
+        "SELECT state FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id) == "cancelled"
 
 
 async def test_a_cron_schedule_starts_one_run_per_tick_across_replicas(queue: Queue) -> None:

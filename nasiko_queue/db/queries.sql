@@ -2091,6 +2091,13 @@ SELECT nasiko_queue_workflow_signal($1, $2, $3::jsonb);
 -- $1 run, $2 step, $3 the timer job's id.
 SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
 
+-- name: workflow_await_run_end
+-- Return once no end of run $1 (a cancel, a failure stopping its steps) is in
+-- flight (migration 0034): a step's executor runs it before workflow_step_inputs,
+-- whose snapshot then sees that end. Its own statement: a wait inside the read
+-- would come after the read's snapshot was taken.
+SELECT nasiko_queue_wf_await_run_end($1);
+
 -- name: workflow_step_inputs
 -- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id. The
 -- run's state, whether this job is still the step's live job, the run's input,

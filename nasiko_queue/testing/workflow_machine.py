@@ -13,7 +13,10 @@ that dies, given back by the leader's rescue.
 Every step does something to the runs — start one (with a plan: how many of
 its steps' first runs raise), let a worker drain the queue, have a worker
 claim a step job and die, run the rescue, send a signal (before its step
-waits, after, twice), cancel a run, retry one — and then compares every run,
+waits, after, twice), cancel a run, cancel one while a worker's claim of its
+next step job is in flight (gated; the cancel in an application's transaction
+that commits only once the executor has started, or on its own), retry one —
+and then compares every run,
 step row, step job and signal with the model and checks the invariants:
 
 * no step job exists, and no step's function starts, before every step it
@@ -23,7 +26,8 @@ step row, step job and signal with the model and checks the invariants:
 * a run is completed exactly when all its step rows are, and failed exactly
   when one of its steps' jobs was discarded;
 * an ended run (failed, cancelled) has no step job waiting to run, and none
-  running that was not asked to stop;
+  running that was not asked to stop; a step whose run's cancel raced its
+  claim does not run its function, and its job ends `cancelled`;
 * a signal is delivered once: one signal row per name, its step's result the
   first payload sent, the step after it enqueued once (the model counts every
   step job).
@@ -33,6 +37,7 @@ step row, step job and signal with the model and checks the invariants:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import uuid
@@ -88,6 +93,8 @@ WORKFLOW_CONFIG = QueueConfig(
     maintenance=False,
     poll_interval=60.0,
     recovery_interval=3600.0,
+    # A step asked to stop ends at its worker's next heartbeat: soon.
+    heartbeat_interval=0.5,
 )
 
 #: Emptied before every example (the runner's `testing_empty_tables` leaves the
@@ -134,6 +141,40 @@ FROM nasiko_queue_workflow_runs AS r
 JOIN nasiko_queue_workflow_steps AS s ON s.run_id = r.id
 LEFT JOIN nasiko_queue_jobs AS j ON j.id = s.job_id
 GROUP BY r.id, r.state
+"""
+
+#: The step job the next claim of queue $1 takes (the claim's order: priority,
+#: then due time, then id).
+NEXT_CLAIM = """
+SELECT id, workflow_run, payload ->> 'step' AS step, (payload ->> 'idx')::int AS idx
+FROM nasiko_queue_jobs
+WHERE queue = $1 AND state = 'available' AND run_at <= now()
+ORDER BY priority, run_at, id LIMIT 1
+"""
+
+#: The advisory lock a gated claim waits for (`GATE_CLAIM`).
+GATE = 4545
+
+#: The claim of step job {job} waits for the gate, holding the job's row (the
+#: claim's FOR UPDATE took it before this trigger runs): a claim in flight.
+GATE_CLAIM = """
+CREATE OR REPLACE FUNCTION workflow_machine_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared({gate});
+    RETURN NEW;
+END $$;
+DROP TRIGGER IF EXISTS workflow_machine_gate ON nasiko_queue_jobs;
+CREATE TRIGGER workflow_machine_gate BEFORE UPDATE OF state ON nasiko_queue_jobs
+    FOR EACH ROW
+    WHEN (OLD.state = 'available' AND NEW.state = 'running' AND NEW.id = '{job}')
+    EXECUTE FUNCTION workflow_machine_gate();
+"""
+UNGATE = "DROP TRIGGER IF EXISTS workflow_machine_gate ON nasiko_queue_jobs"
+
+#: Sessions of this database waiting for a lock that backend $1 holds.
+BLOCKED_BY = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND $1::int = ANY (pg_blocking_pids(pid))
 """
 
 SNAP_RUNS = "SELECT id, state FROM nasiko_queue_workflow_runs"
@@ -329,6 +370,86 @@ class WorkflowStateMachine(DatabaseMachine):
         if retried:
             self._retry(run_id)
 
+    @precondition(lambda self: self.model.available())
+    @rule(in_app=st.booleans())
+    def cancel_racing_a_claim(self, in_app: bool) -> None:
+        """
+        A worker's claim of the next step job holds its row (gated) as its run
+        is cancelled: with `in_app`, inside an application's transaction that
+        commits once the gate is open and the executor waits for it (or the
+        step's function ran: the bug); else on its own. The cancel skips the
+        held row; the executor, once the claim has committed, finds the run
+        ended: the step does not run, its job ends `cancelled`. Then the drain
+        goes on; the model replays what ran before the claim, the claim, the
+        cancel, the step not run, and what ran after.
+        """
+        key, answer, expected, after = self._call(self._cancel_racing_a_claim, in_app)
+        assert answer == expected, (
+            f"cancel of run {key[0]} during a claim answered {answer!r}; the model says "
+            f"{expected!r}")
+        ran = [entry[:3] for entry in after]
+        assert key not in ran[:1], (
+            f"step {key[1]}[{key[2]}] of run {key[0]} ran although its run's cancel came "
+            "while its claim was in flight")
+        self.model.not_run(*key)
+        for run_id, step, idx, attempt, outcome in after:
+            self.model.ran(run_id, step, idx, attempt, outcome)
+        assert not self.model.available(), (
+            f"the drain left step jobs due: {self.model.available()}")
+
+    async def _cancel_racing_a_claim(self, in_app: bool) -> tuple[
+            tuple[UUID, str, int], str | None, str | None,
+            list[tuple[UUID, str, int, int, Outcome]]]:
+        db = self.env.db
+        first = await db.fetchrow(NEXT_CLAIM, QUEUE)
+        assert first is not None, f"no step job due; the model has {self.model.available()}"
+        key = (first["workflow_run"], first["step"], first["idx"])
+        await db.execute(GATE_CLAIM.format(gate=GATE, job=first["id"]))
+        self.world.log = []
+        worker = Worker(self.queue, self.executors)
+        drained = trio.Event()
+
+        async def drain() -> None:
+            while True:
+                await worker.drain_once(lanes=[QUEUE])
+                if not await db.fetchval(DUE, QUEUE):
+                    break
+            drained.set()
+
+        try:
+            async with contextlib.AsyncExitStack() as gated, trio.open_nursery() as nursery, \
+                    contextlib.AsyncExitStack() as app:
+                # The gate before the worker starts: it claims as it starts.
+                gate = await gated.enter_async_context(db.transaction())
+                await gate.execute("SELECT pg_advisory_xact_lock($1)", GATE)
+                await nursery.start(worker.run)
+                nursery.start_soon(drain)
+                # The claim of the job has locked its row and waits at the gate.
+                await _blocked_by(db, await gate.fetchval("SELECT pg_backend_pid()"))
+                # The drain's first claim, with no finish in its statement:
+                # nothing ran before it, no transition is in flight.
+                assert self.world.log == [], self.world.log
+                self.model.claim(*key, held=False)
+                expected = self.model.cancel(key[0])
+                if in_app:
+                    tx = await app.enter_async_context(db.transaction())
+                    answer = await tx.fetchval(Q.workflow_cancel, key[0])
+                    app_pid = await tx.fetchval("SELECT pg_backend_pid()")
+                else:
+                    answer = await self.queue.cancel_run(key[0])
+                await gated.aclose()  # the gate opens: the claim commits, its executor starts
+                if in_app:
+                    while not self.world.log and not await db.fetchval(  # noqa: ASYNC110
+                            BLOCKED_BY, app_pid):
+                        await trio.sleep(0.005)
+                    await app.aclose()  # the cancel commits
+                await drained.wait()
+                worker.stop()
+        finally:
+            with trio.CancelScope(shield=True):
+                await db.execute(UNGATE)
+        return key, answer, expected, list(self.world.log)
+
     @precondition(lambda self: self.model.runs)
     @rule(data=st.data())
     def retry_run(self, data: st.DataObject) -> None:
@@ -475,6 +596,13 @@ class WorkflowStateMachine(DatabaseMachine):
                 assert r["live_jobs"] == 0, (
                     f"run {r['id']} is {state} but {r['live_jobs']} step job(s) of it wait "
                     "to run or run unasked to stop")
+
+
+async def _blocked_by(db: Database, pid: int) -> None:
+    """Return once another session waits for a lock backend `pid` holds (the
+    server's own record, read again until it says so)."""
+    while not await db.fetchval(BLOCKED_BY, pid):  # noqa: ASYNC110
+        await trio.sleep(0.005)
 
 
 def _json(text: str | None) -> Any:

@@ -217,6 +217,22 @@ class WorkflowModel:
         else:
             job.state = AVAILABLE
 
+    def not_run(self, run_id: UUID, step: str, idx: int) -> None:
+        """
+        A worker's claimed step job whose run has ended (its end was in flight as
+        the job was claimed, migration 0034) or whose job a retry replaced: its
+        executor does not run the step's function; the job asks to stop and ends
+        `cancelled` (its end changes nothing).
+        """
+        run = self.runs[run_id]
+        job = run.rows[(step, idx)].jobs[-1]
+        assert job.state == RUNNING, (
+            f"step {step}[{idx}] of run {run_id} was not run; its job is {job}")
+        assert run.state != RUNNING, (
+            f"step {step}[{idx}] of run {run_id} was not run, but its run runs")
+        job.cancel_requested = True
+        self._job_ended(run_id, step, idx, job, CANCELLED)
+
     @staticmethod
     def returned(run: WorkflowRun, step: str, idx: int, k: int) -> Any:
         """What the machine's step function returns on its `k`-th run of step row

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from uuid import UUID
 
 import attrs
+import trio
 
 from ..builds.payloads import converter
 from ..config import NOTIFY_CHANNEL
@@ -63,6 +64,19 @@ def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+async def _stop_unrun(ctx: PlainJobContext[StepArgs]) -> None:
+    """
+    A step job that will not run its step ends `cancelled`, not `completed` (it
+    completed nothing): it asks its own job to stop, the plain jobs' cancel
+    (migration 0013), and waits; its worker's next heartbeat sees the request
+    and ends it `cancelled`, as any running step a run's end asked to stop. A
+    job that is no longer running (its claim superseded) returns at once.
+    """
+    answer = await ctx.db.fetchval(Q.plain_cancel, ctx.job_id)
+    if answer == "cancelling":
+        await trio.sleep_forever()
+
+
 def step_executor(wf: Workflow, step: Step) -> Any:
     """The plain executor of `step`'s jobs."""
     assert step.fn is not None
@@ -72,6 +86,11 @@ def step_executor(wf: Workflow, step: Step) -> Any:
     async def run_step(ctx: PlainJobContext[StepArgs]) -> Any:
         args = ctx.payload
         run_id = UUID(args.run)
+        # An end of the run in flight (a cancel in an application's open
+        # transaction, say) may have skipped this job while its claim held the
+        # row: wait for it to commit, then read (migration 0034), so that the
+        # read sees it.
+        await ctx.db.execute(Q.workflow_await_run_end, run_id)
         row = await ctx.db.fetchrow(Q.workflow_step_inputs, run_id, args.step, args.idx,
                                     ctx.job_id)
         if row is None or row["state"] != "running" or not row["live"]:
@@ -79,6 +98,7 @@ def step_executor(wf: Workflow, step: Step) -> Any:
             # step never runs after its run ended. Its end changes nothing.
             log.info("workflow %s step %s[%d]: not run (run %s)", run_id, args.step, args.idx,
                      "gone" if row is None else row["state"])
+            await _stop_unrun(ctx)
             return None
         raw_input = _loads(row["input"])
         value = (raw_input if wf.input_type is None or raw_input is None
