@@ -45,10 +45,11 @@ MUTANTS: dict[str, tuple[str, tuple[Edit, ...]]] = {
          "IF EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps\n"
          "                   WHERE run_id = run AND state = 'completed') THEN"),)),
     # A discarded step job fails its step, but not its run (which then never ends).
-    "discard_does_not_fail_the_run": ("nasiko_queue_workflow_step_ended", (
-        ("PERFORM nasiko_queue_wf_fail(NEW.workflow_run, sname, i, NEW.error_msg);",
+    # (The trigger's body is nasiko_queue_wf_job_ended since migration 0033.)
+    "discard_does_not_fail_the_run": ("nasiko_queue_wf_job_ended", (
+        ("PERFORM nasiko_queue_wf_fail(run, sname, i, err);",
          "UPDATE nasiko_queue_workflow_steps SET state = 'failed'\n"
-         "        WHERE run_id = NEW.workflow_run AND step = sname AND idx = i;"),)),
+         "        WHERE run_id = run AND step = sname AND idx = i;"),)),
     # An ended run's steps are cancelled, their jobs left waiting to run.
     "cancel_leaves_step_jobs_available": ("nasiko_queue_wf_stop_steps", (
         ("PERFORM nasiko_queue_cancel(s.job_id);", "NULL;"),)),

@@ -2034,6 +2034,12 @@ SELECT nasiko_queue_workflow_signal($1, $2, $3::jsonb);
 -- $1 run, $2 step, $3 the timer job's id.
 SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
 
+-- name: workflow_apply_due
+-- One piece of the workflow transitions that are due (migration 0033), $1 due
+-- job ends or fan-out items at most, in one transaction; how many due rows it
+-- took (0: nothing due that it could take).
+SELECT nasiko_queue_wf_apply_due($1::integer);
+
 -- name: workflow_step_inputs
 -- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id. The
 -- run's state, whether this job is still the step's live job, the run's input,
@@ -2054,8 +2060,13 @@ SELECT d.state,
        coalesce((SELECT jsonb_object_agg(a, nasiko_queue_wf_step_result(d.id, a))
                  FROM jsonb_array_elements_text(d.sdef -> 'after') AS a), '{}')::text
            AS results,
+       -- Its own element, kept on its row (0033); a fan-out started before
+       -- that reads it from the list.
        CASE WHEN d.sdef ->> 'map_over' IS NOT NULL
-            THEN (nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
+            THEN coalesce(
+                (SELECT s.item FROM nasiko_queue_workflow_steps AS s
+                 WHERE s.run_id = d.id AND s.step = $2 AND s.idx = $3),
+                nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
        END AS item,
        d.sdef ->> 'map_over' IS NOT NULL AS mapped
 FROM d;
@@ -2105,7 +2116,9 @@ WHERE r.state = 'running'
       LEFT JOIN nasiko_queue_jobs AS j ON j.id = s.job_id
       WHERE s.run_id = r.id
         AND (s.state = 'waiting'
-             OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))));
+             OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))))
+  -- A transition due (migration 0033) is yet to be applied: not stuck.
+  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workflow_due AS d WHERE d.run_id = r.id);
 
 -- ============================================================================
 -- Run views (issue #22, "see and steer runs"; nasiko_queue.admin.runs).

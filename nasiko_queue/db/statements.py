@@ -184,6 +184,7 @@ class Queries:
     workflow_retry: str
     workflow_signal: str
     workflow_signal_timeout: str
+    workflow_apply_due: str
     workflow_step_inputs: str
     workflow_get: str
     workflow_get_steps: str

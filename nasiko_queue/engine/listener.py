@@ -27,6 +27,10 @@ from .state import WorkerState
 
 log = logging.getLogger("nasiko_queue.worker")
 
+#: The payload of a NOTIFY that says a workflow transition is due (migration
+#: 0033): it wakes the worker's `TransitionService`, not its lanes.
+TRANSITION_PAYLOAD = "nasiko_queue.transition"
+
 
 class Listener:
     """
@@ -37,19 +41,26 @@ class Listener:
         channel: the NOTIFY channel (`QueueConfig.notify_channel`).
         state: the counters (`listen_connects`, `notifications`, `listen_hangs`).
         wake: the worker's wake, called for every notification; never blocks.
+        on_transition: called instead for a due workflow transition's
+            (`TRANSITION_PAYLOAD`); None: those wake the worker too.
     """
 
     def __init__(self, db: Database, channel: str, state: WorkerState,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None],
+                 on_transition: Callable[[], None] | None = None) -> None:
         self.db = db
         self.channel = channel
         self.state = state
         self.wake = wake
+        self.on_transition = on_transition
         self.config: QueueConfig = state.config
 
-    def _on_notification(self, _payload: str) -> None:
+    def _on_notification(self, payload: str) -> None:
         """Runs on the trio thread, from asyncpg's listener callback; never blocks."""
         self.state.stats.notifications += 1
+        if payload == TRANSITION_PAYLOAD and self.on_transition is not None:
+            self.on_transition()
+            return
         self.wake()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -69,6 +80,8 @@ class Listener:
                         log.info("LISTEN %s re-established; draining what it missed",
                                  self.channel)
                         self.wake()
+                        if self.on_transition is not None:
+                            self.on_transition()
                     else:
                         started = True
                         task_status.started()

@@ -70,7 +70,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import attrs
@@ -96,6 +96,9 @@ from .producer import Producer
 from .retry import RetryPolicy, one_line
 from .slots import Slots
 from .state import LaneState, WorkerState, WorkerStats
+
+if TYPE_CHECKING:
+    from ..workflows.transitions import TransitionService
 
 #: The kinds of the queue's own plain job types (a workflow's signal timer and
 #: cron start): their queues are served even when `QueueConfig.queues` omits them.
@@ -194,6 +197,13 @@ class Worker:
         self.scheduler: Scheduler | None = None
         if schedules and self.config.scheduler:
             self.scheduler = Scheduler(queue, schedules, SchedulerConfig.of(self.config))
+        #: Applies the workflow transitions a step's end left due (migration
+        #: 0033); None unless this worker runs workflows.
+        self.transitions: TransitionService | None = None
+        if executors.workflows:
+            from ..workflows.transitions import TransitionConfig, TransitionService
+
+            self.transitions = TransitionService(queue.db, TransitionConfig.of(self.config))
         self._started = False
         #: The lanes run: a wake goes to them directly, not through the channel.
         self._lanes_running = False
@@ -412,9 +422,14 @@ class Worker:
                 timers.start_soon(self.rescuer.run)
                 if self.scheduler is not None:
                     await timers.start(self.scheduler.run)
+                transitions = self.transitions
+                if transitions is not None:
+                    await timers.start(transitions.run)
                 channel = self.config.notify_channel
                 if self.config.listen and channel is not None:
-                    listener = Listener(self.queue.db, channel, state, self.wake)
+                    listener = Listener(self.queue.db, channel, state, self.wake,
+                                        on_transition=None if transitions is None
+                                        else transitions.kick)
                     await timers.start(listener.run)
                 try:
                     async with trio.open_nursery() as work:
