@@ -137,26 +137,26 @@ LANGUAGE plpgsql AS $$
 DECLARE
     sname text := sdef ->> 'name';
 BEGIN
-    WITH todo AS (
-        SELECT idx, gen_random_uuid() AS id FROM nasiko_queue_workflow_steps
+    -- The step rows first, each with its new job's id, then the jobs from
+    -- what they returned: no join of the piece with itself (a nested loop of
+    -- a piece's rows by a piece's rows, as the planner chose for a join).
+    WITH rows AS (
+        UPDATE nasiko_queue_workflow_steps
+        SET state = 'enqueued', job_id = gen_random_uuid(), error = NULL
         WHERE run_id = run AND step = sname AND idx BETWEEN lo AND hi
           AND state <> 'completed'
-    ), jobs AS (
-        INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts,
-                                       run_at, workflow_run)
-        SELECT t.id, sdef ->> 'queue', sdef ->> 'job_kind',
-               jsonb_build_object('kind', sdef ->> 'job_kind', 'run', run::text,
-                                  'step', sname, 'idx', t.idx),
-               (sdef ->> 'priority')::smallint, (sdef ->> 'max_attempts')::integer,
-               now() + make_interval(secs => coalesce((sdef ->> 'delay')::double precision,
-                                                      0)),
-               run
-        FROM todo AS t
-        ORDER BY t.idx
+        RETURNING idx, job_id
     )
-    UPDATE nasiko_queue_workflow_steps AS s SET state = 'enqueued', job_id = t.id, error = NULL
-    FROM todo AS t
-    WHERE s.run_id = run AND s.step = sname AND s.idx = t.idx;
+    INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, priority, max_attempts,
+                                   run_at, workflow_run)
+    SELECT t.job_id, sdef ->> 'queue', sdef ->> 'job_kind',
+           jsonb_build_object('kind', sdef ->> 'job_kind', 'run', run::text,
+                              'step', sname, 'idx', t.idx),
+           (sdef ->> 'priority')::smallint, (sdef ->> 'max_attempts')::integer,
+           now() + make_interval(secs => coalesce((sdef ->> 'delay')::double precision, 0)),
+           run
+    FROM rows AS t
+    ORDER BY t.idx;
     IF FOUND AND def ->> 'channel' IS NOT NULL THEN
         PERFORM pg_notify(def ->> 'channel', '');
     END IF;

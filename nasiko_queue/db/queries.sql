@@ -2041,7 +2041,8 @@ SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
 SELECT nasiko_queue_wf_apply_due($1::integer);
 
 -- name: workflow_step_inputs
--- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id. The
+-- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id ($5:
+-- see `results`). The
 -- run's state, whether this job is still the step's live job, the run's input,
 -- the step's dependencies' results (an object by step name; a mapped step's
 -- results are the list of its items' results, in item order), and for a mapped
@@ -2057,8 +2058,11 @@ SELECT d.state,
                WHERE s.run_id = d.id AND s.step = $2 AND s.idx = $3 AND s.job_id = $4
                  AND s.state = 'enqueued') AS live,
        d.input::text AS input,
+       -- $5: dependencies whose results the worker holds parsed already (a
+       -- fan-out's items would each read the whole list they map over).
        coalesce((SELECT jsonb_object_agg(a, nasiko_queue_wf_step_result(d.id, a))
-                 FROM jsonb_array_elements_text(d.sdef -> 'after') AS a), '{}')::text
+                 FROM jsonb_array_elements_text(d.sdef -> 'after') AS a
+                 WHERE a <> ALL (coalesce($5::text[], '{}'))), '{}')::text
            AS results,
        -- Its own element, kept on its row (0033); a fan-out started before
        -- that reads it from the list.
