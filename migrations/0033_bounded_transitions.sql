@@ -250,8 +250,12 @@ BEGIN
                 WHERE run_id = run AND step = sname AND idx = -1
                 RETURNING done_items INTO h.done_items;
             END IF;
-            IF h.done_items >= h.items AND h.enqueued_to >= h.items THEN
-                PERFORM nasiko_queue_wf_join(run, sname, h.items);
+            -- An item whose step does not complete with it changes nothing
+            -- else (its dependants read the head): no advance, whose reads
+            -- would be a fan-out's cost at every one of its items.
+            IF h.done_items < h.items OR h.enqueued_to < h.items
+               OR NOT nasiko_queue_wf_join(run, sname, h.items) THEN
+                RETURN;
             END IF;
         ELSIF FOUND AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps
                                     WHERE run_id = run AND step = sname AND idx >= 0
@@ -269,12 +273,23 @@ BEGIN
 END;
 $$;
 
+-- Whether a step has completed, by its first row alone: a mapped step's head
+-- completes with its last item (0033's count), so its items need not be read.
+-- 0018 read every row of a dependency (and of the run, for its end) at every
+-- advance: at each of a fan-out's item ends, that grew as n² over the fan-out.
+CREATE OR REPLACE FUNCTION nasiko_queue_wf_step_state(run uuid, step_name text) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT state FROM nasiko_queue_workflow_steps
+    WHERE run_id = $1 AND step = $2 ORDER BY idx LIMIT 1
+$$;
+
 -- Start every blocked step whose dependencies have all completed (repeated
 -- until none: a step may complete at once, as an empty fan-out or a signal
 -- sent early), then complete the run once every step has. As 0018's, but a
 -- mapped step starts its fan-out (the first piece, nasiko_queue_wf_fan_out),
--- a signal's timer NOTIFYs, and a run's end completes its parent's step only
--- when the parent's row is free (else the parent's due row does).
+-- a signal's timer NOTIFYs, a step's dependencies and the run's end are read
+-- from each step's first row, and a run's end completes its parent's step
+-- only when the parent's row is free (else the parent's due row does).
 CREATE OR REPLACE FUNCTION nasiko_queue_wf_advance(run uuid) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -305,8 +320,7 @@ BEGIN
              AND h.idx = CASE WHEN d.s ->> 'map_over' IS NULL THEN 0 ELSE -1 END
             WHERE NOT EXISTS (
                 SELECT 1 FROM jsonb_array_elements_text(d.s -> 'after') AS a(dep)
-                JOIN nasiko_queue_workflow_steps AS x
-                  ON x.run_id = run AND x.step = a.dep AND x.state <> 'completed')
+                WHERE nasiko_queue_wf_step_state(run, a.dep) IS DISTINCT FROM 'completed')
             ORDER BY d.n
         LOOP
             sname := sdef ->> 'name';
@@ -404,8 +418,9 @@ BEGIN
             END IF;
         END LOOP;
     END LOOP;
-    IF NOT EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps
-                   WHERE run_id = run AND state <> 'completed') THEN
+    IF NOT EXISTS (SELECT 1 FROM jsonb_array_elements(r.definition -> 'steps') AS x
+                   WHERE nasiko_queue_wf_step_state(run, x ->> 'name')
+                         IS DISTINCT FROM 'completed') THEN
         SELECT CASE WHEN count(*) = 1 THEN (array_agg(nasiko_queue_wf_step_result(run, s)))[1]
                     ELSE jsonb_object_agg(s, nasiko_queue_wf_step_result(run, s)) END
         INTO res
@@ -529,6 +544,7 @@ DECLARE
     chosen uuid;
     rstate text;
     taken integer := 0;
+    got boolean;
     d record;
     j record;
     r record;
@@ -551,7 +567,30 @@ BEGIN
         END IF;
     END LOOP;
     IF chosen IS NULL THEN
-        RETURN 0;
+        -- Every due run's row is held: by the finishes of its steps, mostly
+        -- (a fan-out's items end side by side, each taking its transition at
+        -- once when the row is free). Skipped, the service would wait for its
+        -- next poll while they keep it busy; it waits for the oldest instead,
+        -- on its own connection (no lane needs it), for a while at most.
+        cand := (SELECT run_id FROM nasiko_queue_workflow_due ORDER BY id LIMIT 1);
+        IF cand IS NULL THEN
+            RETURN 0;
+        END IF;
+        BEGIN
+            PERFORM set_config('lock_timeout', '2s', true);
+            SELECT state INTO rstate FROM nasiko_queue_workflow_runs WHERE id = cand
+            FOR UPDATE;
+            got := FOUND;
+            PERFORM set_config('lock_timeout', '0', true);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN 0;
+        END;
+        IF NOT got THEN
+            DELETE FROM nasiko_queue_workflow_due WHERE run_id = cand;
+            GET DIAGNOSTICS taken = ROW_COUNT;
+            RETURN taken;
+        END IF;
+        chosen := cand;
     END IF;
     IF rstate <> 'running' THEN
         -- An ended run takes no transition (0018's rule); what was due goes.
@@ -559,12 +598,14 @@ BEGIN
         GET DIAGNOSTICS taken = ROW_COUNT;
         RETURN taken;
     END IF;
+    -- In the order they were recorded (a DELETE ... RETURNING returns its rows
+    -- in no promised order: a run's failure applied before the completion that
+    -- came first would cancel that step instead of completing it).
     FOR d IN
-        DELETE FROM nasiko_queue_workflow_due
-        WHERE id IN (SELECT id FROM nasiko_queue_workflow_due WHERE run_id = chosen
-                     ORDER BY id LIMIT piece)
-        RETURNING job_id
+        SELECT id, job_id FROM nasiko_queue_workflow_due WHERE run_id = chosen
+        ORDER BY id LIMIT piece
     LOOP
+        DELETE FROM nasiko_queue_workflow_due WHERE id = d.id;
         taken := taken + 1;
         CONTINUE WHEN d.job_id IS NULL;
         SELECT state INTO rstate FROM nasiko_queue_workflow_runs WHERE id = chosen;

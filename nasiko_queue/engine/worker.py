@@ -15,9 +15,13 @@ Shape (docs/rules.md §5, §8)::
                         `Pruner`), the `JobRescuer` (dead workers'
                         jobs back to pending), all three on the leader only, the
                         `Scheduler` (cron ticks, on every replica that has it:
-                        the database decides who enqueues each tick), and the
-                        `Listener` (LISTEN on a dedicated connection; every
-                        notification is a wake)
+                        the database decides who enqueues each tick), the
+                        `TransitionService` when it runs workflows (applies the
+                        transitions a step's end left due, a piece per
+                        transaction, on a pooled connection: migration 0033),
+                        and the `Listener` (LISTEN on a dedicated connection;
+                        every notification is a wake, but a due transition's,
+                        which kicks the service)
       nursery "work":   the wake relay (the wake channel's receive side,
                         capacity 64: wakes sent before the lanes run, and the
                         stop when its send side closes), and one `Lane` per
