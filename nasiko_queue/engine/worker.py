@@ -370,7 +370,15 @@ class Worker:
         recorded. Meant for tests and tools that need to know the queue has
         been worked, without sleeping. A lane whose slots are all busy is
         draining until one frees: name the other lanes to wait for them alone.
+
+        A worker that runs workflows also applies, before and after, the
+        workflow transitions due that its service can take (migration 0033: a
+        step's end whose run's row was busy, a fan-out's further pieces), so
+        that the steps they enqueue are there when this returns.
         """
+        transitions = self.transitions
+        if transitions is not None:
+            await transitions.drain()
         state = self.state
         answered = self._wake()
         unknown = set(lanes or ()) - {lane.name for lane in self.lanes}
@@ -386,6 +394,8 @@ class Worker:
             if state.stopping.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await state.changed.park()
+        if transitions is not None:
+            await transitions.drain()
 
     async def wait_for(self, condition: Callable[[WorkerStats], bool]) -> None:
         """
