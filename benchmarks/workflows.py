@@ -142,3 +142,96 @@ def workflow_drain(dsn: str, runs: int, concurrency: int, serial_runs: int) -> d
         return trio.run(main)
     finally:
         _reset(dsn)
+
+
+# -- fan-out (issue #45) ---------------------------------------------------------------
+
+
+def fan_out_workflow(items: int) -> Workflow:
+    """`plan` returns `items` numbers, `work` maps over them (a no-op each), `join`
+    gets their results."""
+    wf = Workflow(f"bench_fan_{items}")
+
+    @wf.step()
+    async def plan(ctx: StepContext) -> list[int]:
+        return list(range(items))
+
+    @wf.step(map_over=plan)
+    async def work(ctx: StepContext) -> int:
+        return int(ctx.item)
+
+    @wf.step(after=[work])
+    async def join(ctx: StepContext) -> int:
+        return len(ctx.results["work"])
+
+    return wf
+
+
+def fan_out(dsn: str, items: int, concurrency: int) -> dict[str, Any]:
+    """
+    One run whose `plan` step returns `items` items, on one in-process worker at
+    `concurrency` (default settings otherwise). From the jobs' own timestamps
+    (the server's clock), seconds from the plan step's end (its job's
+    `finished_at`) to: the first item's start (the first `attempted_at` among
+    the items), the last item's enqueue (the fan-out's last piece landed), and
+    the join's start (`join`'s `attempted_at`: every item ran, the join was
+    made). Also the worst statement of the worker's own (claims and finishes):
+    the longest `attempted_at` to `finished_at` is not it, so the lanes'
+    statements are not timed here; the transition service's pieces are counted.
+    """
+    wf = fan_out_workflow(items)
+    ex = _executors(wf)
+
+    async def main() -> dict[str, Any]:
+        async with open_database(dsn) as db:
+            queue = Queue(db, config=_bench_config(concurrency=concurrency))
+            worker = Worker(queue, ex)
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(worker.run)
+                run_id = await queue.start(wf, None)
+                result = await queue.run_result(run_id, timeout=3600.0)
+                worker.stop()
+            wall = time.perf_counter() - t0
+            if result != items:
+                raise RuntimeError(f"fan-out: the join got {result!r}, not {items}")
+            row = await db.fetchrow(
+                """
+                WITH jobs AS (
+                    SELECT payload ->> 'step' AS step, created_at, attempted_at, finished_at
+                    FROM nasiko_queue_jobs WHERE workflow_run = $1
+                ), p AS (SELECT finished_at AS at FROM jobs WHERE step = 'plan'),
+                w AS (SELECT min(attempted_at) AS first, max(created_at) AS last_enqueued,
+                             max(finished_at) AS last_done FROM jobs WHERE step = 'work'),
+                j AS (SELECT created_at, attempted_at FROM jobs WHERE step = 'join')
+                SELECT extract(epoch FROM w.first - p.at) AS first_item,
+                       extract(epoch FROM w.last_enqueued - p.at) AS last_enqueue,
+                       extract(epoch FROM j.attempted_at - p.at) AS join_start,
+                       extract(epoch FROM j.created_at - w.last_done) AS join_made
+                FROM p, w, j
+                """, run_id)
+            assert row is not None
+            service = worker.transitions
+            return {"items": items, "concurrency": concurrency, "wall_s": wall,
+                    "first_item_s": float(row["first_item"]),
+                    "last_enqueue_s": float(row["last_enqueue"]),
+                    "join_start_s": float(row["join_start"]),
+                    "last_item_to_join_s": float(row["join_made"]),
+                    "service_pieces": None if service is None else service.pieces,
+                    "items_per_s": items / float(row["join_start"])}
+
+    _reset(dsn)
+    try:
+        return trio.run(main)
+    finally:
+        _reset(dsn)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    # python -m benchmarks.workflows DSN [ITEMS ...]: the fan-out rows.
+    target = sys.argv[1]
+    for size in [int(a) for a in sys.argv[2:]] or [10_000, 100_000]:
+        print(json.dumps(fan_out(target, size, concurrency=10)), flush=True)

@@ -188,6 +188,8 @@ class Executors:
         #: The workflows registered (`register_workflow`), by name: the cron
         #: start's executor starts them by name.
         self.workflows: dict[str, Any] = {}
+        #: Large step results their steps' executors share (`workflows.executor.ResultCache`).
+        self.workflow_results: Any = None
 
     @overload
     def register(self, payload_type: type[P], *, timeout: float | None = None

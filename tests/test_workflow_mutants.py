@@ -29,9 +29,9 @@ MUTANTS: dict[str, tuple[str, tuple[Edit, ...]]] = {
     # A step starts once its last dependency completed, whatever the others' state
     # (the diamond's join runs after one of its two branches).
     "dependants_start_after_one_of_two": ("nasiko_queue_wf_advance", (
-        ("x.step = a.dep AND x.state <> 'completed')",
-         "x.step = a.dep AND x.state <> 'completed'\n"
-         "                 AND a.dep = (d.s -> 'after' ->> -1))"),)),
+        ("WHERE nasiko_queue_wf_step_state(run, a.dep) IS DISTINCT FROM 'completed')",
+         "WHERE nasiko_queue_wf_step_state(run, a.dep) IS DISTINCT FROM 'completed'\n"
+         "                  AND a.dep = (d.s -> 'after' ->> -1))"),)),
     # A completion writes its result over every row of its step (a fan-out's
     # items): the results of the items completed before are overwritten, and the
     # items still to run complete with another's result.
@@ -40,15 +40,17 @@ MUTANTS: dict[str, tuple[str, tuple[Edit, ...]]] = {
          "WHERE run_id = run AND step = sname AND idx >= 0;\n    IF i >= 0"),)),
     # The run completes as soon as any of its steps has.
     "run_completes_at_any_step": ("nasiko_queue_wf_advance", (
-        ("IF NOT EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps\n"
-         "                   WHERE run_id = run AND state <> 'completed') THEN",
+        ("IF NOT EXISTS (SELECT 1 FROM jsonb_array_elements(r.definition -> 'steps') AS x\n"
+         "                   WHERE nasiko_queue_wf_step_state(run, x ->> 'name')\n"
+         "                         IS DISTINCT FROM 'completed') THEN",
          "IF EXISTS (SELECT 1 FROM nasiko_queue_workflow_steps\n"
          "                   WHERE run_id = run AND state = 'completed') THEN"),)),
     # A discarded step job fails its step, but not its run (which then never ends).
-    "discard_does_not_fail_the_run": ("nasiko_queue_workflow_step_ended", (
-        ("PERFORM nasiko_queue_wf_fail(NEW.workflow_run, sname, i, NEW.error_msg);",
+    # (The trigger's body is nasiko_queue_wf_job_ended since migration 0033.)
+    "discard_does_not_fail_the_run": ("nasiko_queue_wf_job_ended", (
+        ("PERFORM nasiko_queue_wf_fail(run, sname, i, err);",
          "UPDATE nasiko_queue_workflow_steps SET state = 'failed'\n"
-         "        WHERE run_id = NEW.workflow_run AND step = sname AND idx = i;"),)),
+         "        WHERE run_id = run AND step = sname AND idx = i;"),)),
     # An ended run's steps are cancelled, their jobs left waiting to run.
     "cancel_leaves_step_jobs_available": ("nasiko_queue_wf_stop_steps", (
         ("PERFORM nasiko_queue_cancel(s.job_id);", "NULL;"),)),

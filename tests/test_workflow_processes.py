@@ -12,8 +12,8 @@ database's), each step and item is enqueued exactly once (one job row each,
 retried in place), and the fan-in gets every item's result, in item order.
 
 Each kill lands at a point the test chose, not by timing luck: a step blocks on
-an advisory lock the test holds (`procs.gate_closed`), or the step's finishing
-statement waits for the run's row, which the test holds FOR UPDATE. Leases are
+an advisory lock the test holds (`procs.gate_closed`), or the step's transition
+is due while the test holds the run's row FOR UPDATE. Leases are
 a second long, so a dead replica's jobs are rescued by a live one in about one
 and a half.
 """
@@ -34,7 +34,6 @@ import attrs
 import pytest
 
 from nasiko_queue import Database, Queue
-from nasiko_queue.db.database import Transaction
 from nasiko_queue.db.statements import Q
 
 from .procs import WorkerProcess, Workers, gate_closed, wait_until, worker_processes
@@ -308,19 +307,10 @@ async def _all_ended(db: Database, *run_ids: UUID) -> bool:
 # -- (b) during a transition ----------------------------------------------------------------
 
 
-async def _finish_waiting_for(db: Database, holder: Transaction) -> int | None:
-    """The server process of a statement that completes a job and waits for the
-    run's row `holder` holds: the transition, open, in the trigger."""
-    holder_pid = await holder.fetchval("SELECT pg_backend_pid()")
-    pids = await db.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) "
-        "AND query LIKE '%SET state = ''completed''%'", holder_pid)
-    assert len(pids) <= 1, pids
-    return pids[0]["pid"] if pids else None
-
-
-async def _backend_alive(db: Database, pid: int) -> bool:
-    return bool(await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid))
+async def _due(db: Database, run_id: UUID) -> int:
+    """How many transitions of the run are recorded as due (migration 0033)."""
+    return int(await db.fetchval(
+        "SELECT count(*) FROM nasiko_queue_workflow_due WHERE run_id = $1", run_id))
 
 
 @pytest.mark.parametrize("server_checks_client", [True, False],
@@ -329,22 +319,17 @@ async def test_sigkill_during_a_transition_loses_it_not_and_enqueues_once(
     dsn: str, queue: Queue, tmp_path: Path, server_checks_client: bool
 ) -> None:
     """
-    ``prepare`` has returned; its job's completion (the completer's statement)
-    has updated the job and, in the trigger, waits for the run's row, which the
-    test holds: the transition's transaction is open. The replica is SIGKILLed
-    then. What the server does with the orphaned statement depends on whether it
-    looks for lost clients (client_connection_check_interval):
-
-    * it does: the statement ends at once and rolls back whole, the job's
-      completion with it; no item is enqueued. The rescue gives the job to
-      another replica, which runs ``prepare`` again (attempt 2), and its
-      completion enqueues the items, once.
-    * it does not (PostgreSQL's default): the statement had arrived whole, so
-      once the row is free the server commits it, and only then finds the
-      client gone; ``prepare`` ran once and its completion enqueued the items,
-      once. Whatever the statement claimed for the dead replica is rescued.
-
-    Either way no transition is lost or taken twice, and the run completes.
+    ``prepare`` has returned while the test holds the run's row FOR UPDATE. Its
+    job's completion (the completer's statement) no longer waits for that row
+    (migration 0033: a finish never waits for a run's lock, it holds a
+    connection every lane needs): it commits at once, the transition recorded
+    as due. The replica that ran ``prepare`` is SIGKILLed then; the services of
+    the others cannot take the run while its row is held (they may wait for it,
+    each on a connection of its own, never a finish). Once the row is free, a live
+    replica's transition service applies the transition: the items are enqueued once and ``prepare``
+    ran once, whether or not the server looks for lost clients
+    (client_connection_check_interval): nothing of the transition was in flight
+    on the dead replica's connection.
     """
     db = queue.db
     await db.execute(LEDGER_DDL)
@@ -362,55 +347,37 @@ async def test_sigkill_during_a_transition_loses_it_not_and_enqueues_once(
                 await wait_until("prepare to start", prepare_started, alive=alive)
                 await holder.execute("SELECT 1 FROM nasiko_queue_workflow_runs WHERE id = $1 "
                                      "FOR UPDATE", run_id)
-            # prepare returns now; its completion waits for the run's row.
-            pid: list[int] = []
+            # prepare returns now; its completion commits, its transition due.
 
-            async def finish_waits() -> bool:
-                found = await _finish_waiting_for(db, holder)
-                pid[:] = [] if found is None else [found]
-                return found is not None
+            async def completed_and_due() -> bool:
+                job = await _job_of(db, run_id, "prepare")
+                return job["state"] == "completed" and await _due(db, run_id) == 1
 
-            await wait_until("prepare's completion to wait for the run's row", finish_waits,
-                             alive=alive, explain=lambda: _explain(db, run_id))
+            await wait_until("prepare's completion to commit with its transition due",
+                             completed_and_due, alive=alive,
+                             explain=lambda: _explain(db, run_id))
+            holder_pid = await holder.fetchval("SELECT pg_backend_pid()")
             first = await _started(db, run_id, "prepare")
             assert first is not None
             assert first.finished
             victim = _by_replica(alive, first)
             await _kill(victim, alive)
-            if server_checks_client:
-                await wait_until("the server to end the dead replica's statement",
-                                 lambda: _not(_backend_alive(db, pid[0])))
-            else:
-                assert await _backend_alive(db, pid[0])  # still waiting, transaction open
-            # Nothing of the transition is visible while the row is held.
-            assert (await _job_of(db, run_id, "prepare"))["state"] in ("running", "available")
+            # No finish waits for the row (a transition service may: on its own
+            # connection), and nothing of the transition is applied.
+            assert not await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) "
+                "AND query NOT LIKE '%nasiko_queue_wf_apply_due%'", holder_pid)
             assert await _step_jobs(db, run_id) == Counter({("prepare", 0): 1})
         # The run's row is free.
         await wait_until("the run to end", lambda: _ended(db, run_id), alive=alive,
                          explain=lambda: _explain(db, run_id))
         await _nothing_left_to_rescue(db, [victim], alive)
-    if not server_checks_client:
-        assert not await _backend_alive(db, pid[0])
 
-    assert await _audit_completed(
-        db, run_id, items, returned_twice=("prepare",) if server_checks_client else ()) == []
-    prepare_runs = [(e.attempt, e.replica) for e in await _ledger(db, run_id)
-                    if e.step == "prepare"]
-    if server_checks_client:
-        # Run again elsewhere: the first run's completion was rolled back.
-        assert len(prepare_runs) == 2
-        assert prepare_runs[0] == (1, victim.replica)
-        assert prepare_runs[1][0] == 2
-        assert prepare_runs[1][1] != victim.replica
-        assert (await _job_of(db, run_id, "prepare"))["attempt"] == 2
-    else:
-        # The orphaned statement committed: the completion of the first run stands.
-        assert prepare_runs == [(1, victim.replica)]
-        assert (await _job_of(db, run_id, "prepare"))["attempt"] == 1
-
-
-async def _not(check: Any) -> bool:
-    return not await check
+    assert await _audit_completed(db, run_id, items) == []
+    assert [(e.attempt, e.replica) for e in await _ledger(db, run_id)
+            if e.step == "prepare"] == [(1, victim.replica)]
+    assert (await _job_of(db, run_id, "prepare"))["attempt"] == 1
+    assert await _due(db, run_id) == 0
 
 
 # -- (c) during a fan-in ------------------------------------------------------------------------

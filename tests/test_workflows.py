@@ -35,6 +35,7 @@ from nasiko_queue import (
 from nasiko_queue.admin.runs import RunRefused, retry_run
 from nasiko_queue.db.database import Database
 from nasiko_queue.db.statements import Q
+from nasiko_queue.workflows.transitions import TransitionConfig, TransitionService
 
 from .conftest import FAST, MASTER_KEY
 from .helpers import TEST_DEADLINE, running
@@ -881,8 +882,11 @@ async def test_an_operators_cancel_of_a_step_job_cancels_its_run(queue: Queue) -
 async def test_mapped_items_ending_in_concurrent_transactions_lose_no_fan_in(
     db: Database, queue: Queue,
 ) -> None:
-    """SQL level: two items of a fan-out complete in two transactions at once; the
-    run's row lock makes the second see the first, so the fan-in starts once."""
+    """SQL level: two items of a fan-out complete in two transactions at once. The
+    second finds the run's row held by the first's transition and does not wait
+    for it (migration 0033): its end is recorded as due, its statement returns,
+    and the transition service applies it after the first committed, seeing the
+    first's rows. The fan-in starts once."""
     log: list[str] = []
     wf = fanout_workflow(log)
     run_id = await queue.start(wf, Release("1.2", 2))
@@ -899,18 +903,19 @@ async def test_mapped_items_ending_in_concurrent_transactions_lose_no_fan_in(
     done = "UPDATE nasiko_queue_jobs SET state = 'completed', result = '{\"ok\": true}' " \
            "WHERE id = $1"
 
-    async def second() -> None:
-        await db.execute(done, items[1])
-
     with trio.fail_after(TEST_DEADLINE):
-        # The first item's transaction commits on leaving, once the second's
-        # update waits for the run's row, which the first's transition holds.
-        async with trio.open_nursery() as nursery, db.transaction() as tx:
-            pid = await tx.fetchval("SELECT pg_backend_pid()")
+        async with db.transaction() as tx:
             await tx.execute(done, items[0])
-            nursery.start_soon(second)
-            while not await db.fetchval(BLOCKED_BY, pid):  # noqa: ASYNC110
-                await trio.sleep(0.005)
+            # The first item's transition holds the run's row: the second's
+            # statement returns at once, its transition due.
+            await db.execute(done, items[1])
+            assert await db.fetchval(
+                "SELECT count(*) FROM nasiko_queue_workflow_due WHERE job_id = $1",
+                items[1]) == 1
+        assert await db.fetchval(
+            "SELECT count(*) FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+            "AND kind = 'release.report'", run_id) == 0
+        assert await TransitionService(db, TransitionConfig()).drain() == 1
     assert await db.fetchval(
         "SELECT count(*) FROM nasiko_queue_jobs WHERE workflow_run = $1 "
         "AND kind = 'release.report'", run_id) == 1

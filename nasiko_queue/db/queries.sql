@@ -2098,8 +2098,15 @@ SELECT nasiko_queue_workflow_signal_timeout($1, $2, $3);
 -- would come after the read's snapshot was taken.
 SELECT nasiko_queue_wf_await_run_end($1);
 
+-- name: workflow_apply_due
+-- One piece of the workflow transitions that are due (migration 0033), $1 due
+-- job ends or fan-out items at most, in one transaction; how many due rows it
+-- took (0: nothing due that it could take).
+SELECT nasiko_queue_wf_apply_due($1::integer);
+
 -- name: workflow_step_inputs
--- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id. The
+-- What a step's executor reads: $1 run, $2 step, $3 idx, $4 the job's id ($5:
+-- see `results`). The
 -- run's state, whether this job is still the step's live job, the run's input,
 -- the step's dependencies' results (an object by step name; a mapped step's
 -- results are the list of its items' results, in item order), and for a mapped
@@ -2115,11 +2122,19 @@ SELECT d.state,
                WHERE s.run_id = d.id AND s.step = $2 AND s.idx = $3 AND s.job_id = $4
                  AND s.state = 'enqueued') AS live,
        d.input::text AS input,
+       -- $5: dependencies whose results the worker holds parsed already (a
+       -- fan-out's items would each read the whole list they map over).
        coalesce((SELECT jsonb_object_agg(a, nasiko_queue_wf_step_result(d.id, a))
-                 FROM jsonb_array_elements_text(d.sdef -> 'after') AS a), '{}')::text
+                 FROM jsonb_array_elements_text(d.sdef -> 'after') AS a
+                 WHERE a <> ALL (coalesce($5::text[], '{}'))), '{}')::text
            AS results,
+       -- Its own element, kept on its row (0033); a fan-out started before
+       -- that reads it from the list.
        CASE WHEN d.sdef ->> 'map_over' IS NOT NULL
-            THEN (nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
+            THEN coalesce(
+                (SELECT s.item FROM nasiko_queue_workflow_steps AS s
+                 WHERE s.run_id = d.id AND s.step = $2 AND s.idx = $3),
+                nasiko_queue_wf_step_result(d.id, d.sdef ->> 'map_over') -> $3::int)::text
        END AS item,
        d.sdef ->> 'map_over' IS NOT NULL AS mapped
 FROM d;
@@ -2169,7 +2184,9 @@ WHERE r.state = 'running'
       LEFT JOIN nasiko_queue_jobs AS j ON j.id = s.job_id
       WHERE s.run_id = r.id
         AND (s.state = 'waiting'
-             OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))));
+             OR (s.state = 'enqueued' AND j.state IN ('available', 'running'))))
+  -- A transition due (migration 0033) is yet to be applied: not stuck.
+  AND NOT EXISTS (SELECT 1 FROM nasiko_queue_workflow_due AS d WHERE d.run_id = r.id);
 
 -- ============================================================================
 -- Run views (issue #22, "see and steer runs"; nasiko_queue.admin.runs).

@@ -188,6 +188,7 @@ class Queries:
     workflow_signal: str
     workflow_signal_timeout: str
     workflow_await_run_end: str
+    workflow_apply_due: str
     workflow_step_inputs: str
     workflow_get: str
     workflow_get_steps: str

@@ -47,6 +47,11 @@ def payload_queue(payload: str) -> str | None:
     return None
 
 
+#: The payload of a NOTIFY that says a workflow transition is due (migration
+#: 0033): it wakes the worker's `TransitionService`, not its lanes.
+TRANSITION_PAYLOAD = "nasiko_queue.transition"
+
+
 class Listener:
     """
     Turns notifications on `channel` into wakes.
@@ -58,21 +63,28 @@ class Listener:
         wake: the worker's wake (every lane), after a reconnect; never blocks.
         on_notify: called with each notification's payload (None: `wake`); it
             wakes the lanes the payload names (`payload_queue`); never blocks.
+        on_transition: called instead for a due workflow transition's
+            (`TRANSITION_PAYLOAD`); None: those go to `on_notify` too.
     """
 
     def __init__(self, db: Database, channel: str, state: WorkerState,
                  wake: Callable[[], None],
-                 on_notify: Callable[[str], None] | None = None) -> None:
+                 on_notify: Callable[[str], None] | None = None,
+                 on_transition: Callable[[], None] | None = None) -> None:
         self.db = db
         self.channel = channel
         self.state = state
         self.wake = wake
         self.on_notify = on_notify
+        self.on_transition = on_transition
         self.config: QueueConfig = state.config
 
     def _on_notification(self, payload: str) -> None:
         """Runs on the trio thread, from asyncpg's listener callback; never blocks."""
         self.state.stats.notifications += 1
+        if payload == TRANSITION_PAYLOAD and self.on_transition is not None:
+            self.on_transition()
+            return
         if self.on_notify is None:
             self.wake()
         else:
@@ -95,6 +107,8 @@ class Listener:
                         log.info("LISTEN %s re-established; draining what it missed",
                                  self.channel)
                         self.wake()
+                        if self.on_transition is not None:
+                            self.on_transition()
                     else:
                         started = True
                         task_status.started()

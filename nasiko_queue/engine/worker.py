@@ -15,9 +15,13 @@ Shape (docs/rules.md §5, §8)::
                         `Pruner`), the `JobRescuer` (dead workers'
                         jobs back to pending), all three on the leader only, the
                         `Scheduler` (cron ticks, on every replica that has it:
-                        the database decides who enqueues each tick), and the
-                        `Listener` (LISTEN on a dedicated connection; every
-                        notification is a wake)
+                        the database decides who enqueues each tick), the
+                        `TransitionService` when it runs workflows (applies the
+                        transitions a step's end left due, a piece per
+                        transaction, on a pooled connection: migration 0033),
+                        and the `Listener` (LISTEN on a dedicated connection;
+                        every notification is a wake, but a due transition's,
+                        which kicks the service)
       nursery "work":   the wake relay (the wake channel's receive side,
                         capacity 64: wakes sent before the lanes run, and the
                         stop when its send side closes), and one `Lane` per
@@ -70,7 +74,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import attrs
@@ -96,6 +100,9 @@ from .producer import Producer
 from .retry import RetryPolicy, one_line
 from .slots import Slots
 from .state import LaneState, WorkerState, WorkerStats
+
+if TYPE_CHECKING:
+    from ..workflows.transitions import TransitionService
 
 #: The kinds of the queue's own plain job types (a workflow's signal timer and
 #: cron start): their queues are served even when `QueueConfig.queues` omits them.
@@ -195,6 +202,13 @@ class Worker:
         self.scheduler: Scheduler | None = None
         if schedules and self.config.scheduler:
             self.scheduler = Scheduler(queue, schedules, SchedulerConfig.of(self.config))
+        #: Applies the workflow transitions a step's end left due (migration
+        #: 0033); None unless this worker runs workflows.
+        self.transitions: TransitionService | None = None
+        if executors.workflows:
+            from ..workflows.transitions import TransitionConfig, TransitionService
+
+            self.transitions = TransitionService(queue.db, TransitionConfig.of(self.config))
         self._started = False
         #: The lanes run: a wake goes to them directly, not through the channel.
         self._lanes_running = False
@@ -372,7 +386,15 @@ class Worker:
         recorded. Meant for tests and tools that need to know the queue has
         been worked, without sleeping. A lane whose slots are all busy is
         draining until one frees: name the other lanes to wait for them alone.
+
+        A worker that runs workflows also applies, before and after, the
+        workflow transitions due that its service can take (migration 0033: a
+        step's end whose run's row was busy, a fan-out's further pieces), so
+        that the steps they enqueue are there when this returns.
         """
+        transitions = self.transitions
+        if transitions is not None:
+            await transitions.drain()
         state = self.state
         answered = self._wake()
         unknown = set(lanes or ()) - {lane.name for lane in self.lanes}
@@ -388,6 +410,8 @@ class Worker:
             if state.stopping.is_set():
                 raise RuntimeError("the worker is stopping; no further drain will run")
             await state.changed.park()
+        if transitions is not None:
+            await transitions.drain()
 
     async def wait_for(self, condition: Callable[[WorkerStats], bool]) -> None:
         """
@@ -428,10 +452,15 @@ class Worker:
                 timers.start_soon(self.rescuer.run)
                 if self.scheduler is not None:
                     await timers.start(self.scheduler.run)
+                transitions = self.transitions
+                if transitions is not None:
+                    await timers.start(transitions.run)
                 channel = self.config.notify_channel
                 if self.config.listen and channel is not None:
                     listener = Listener(self.queue.db, channel, state, self.wake,
-                                        self._on_notify)
+                                        self._on_notify,
+                                        on_transition=None if transitions is None
+                                        else transitions.kick)
                     await timers.start(listener.run)
                 try:
                     async with trio.open_nursery() as work:

@@ -12,11 +12,13 @@ that dies, given back by the leader's rescue.
 
 Every step does something to the runs — start one (with a plan: how many of
 its steps' first runs raise), let a worker drain the queue, have a worker
-claim a step job and die, run the rescue, send a signal (before its step
-waits, after, twice), cancel a run, cancel one while a worker's claim of its
-next step job is in flight (gated; the cancel in an application's transaction
-that commits only once the executor has started, or on its own), retry one —
-and then compares every run,
+claim a step job and die, let a worker drain while the runs' rows are held
+and die before its transitions are applied (another worker's transition
+service applies them, migration 0033), run the rescue, send a signal (before
+its step waits, after, twice), cancel a run, cancel one while a worker's claim
+of its next step job is in flight (gated; the cancel in an application's
+transaction that commits only once the executor has started, or on its own),
+retry one — and then compares every run,
 step row, step job and signal with the model and checks the invariants:
 
 * no step job exists, and no step's function starts, before every step it
@@ -62,6 +64,7 @@ from ..executors import Executors
 from ..plain.store import PlainJobStore
 from ..queue import Queue
 from ..workflows.definition import StepContext, Workflow
+from ..workflows.transitions import TransitionConfig, TransitionService
 from .runner import DatabaseMachine, profile, run_machine
 from .workflow_model import (
     CANCELLED,
@@ -99,7 +102,8 @@ WORKFLOW_CONFIG = QueueConfig(
 
 #: Emptied before every example (the runner's `testing_empty_tables` leaves the
 #: workflow tables alone); a run's steps and signals go with it (ON DELETE CASCADE).
-EMPTY_RUNS = "DELETE FROM nasiko_queue_workflow_runs"
+EMPTY_RUNS = ("WITH due AS (DELETE FROM nasiko_queue_workflow_due) "
+              "DELETE FROM nasiko_queue_workflow_runs")
 
 #: Step jobs due now: a drain is over when there are none.
 DUE = """
@@ -489,6 +493,47 @@ class WorkflowStateMachine(DatabaseMachine):
                     break
             worker.stop()
         return list(self.world.log)
+
+    @precondition(lambda self: self.model.available() and not self.model.held())
+    @rule()
+    def drain_then_die_before_the_transitions(self) -> None:
+        """
+        A worker runs the due step jobs while every running run's row is held
+        by another transaction (a cancel, a signal, another worker's transition
+        in flight): each step's end commits with its transition recorded as
+        due, not applied (migration 0033: a finish never waits for a run's
+        row). The worker dies (or is fenced) before its transition service
+        takes them; once the rows are free another worker's service does. The
+        runs are then as the model has them: each transition as if taken at
+        its step's end, none lost, none taken twice.
+        """
+        log, due = self._call(self._drain_held)
+        self.model.hold()
+        for run_id, step, idx, attempt, outcome in log:
+            self.model.ran(run_id, step, idx, attempt, outcome)
+        self.model.apply_due(due)
+
+    async def _drain_held(self) -> tuple[list[tuple[UUID, str, int, int, Outcome]],
+                                         list[tuple[UUID, str, int]]]:
+        db = self.env.db
+        self.world.log = []
+        async with db.transaction() as holder:
+            await holder.execute("SELECT 1 FROM nasiko_queue_workflow_runs "
+                                 "WHERE state = 'running' FOR UPDATE")
+            worker = Worker(self.queue, self.executors)
+            worker.transitions = None  # it dies before its service takes any
+            async with trio.open_nursery() as nursery:
+                await nursery.start(worker.run)
+                await worker.drain_once(lanes=[QUEUE])
+                worker.stop()
+            # What is due, in the order the service takes it.
+            due = [(r["workflow_run"], r["step"], r["idx"]) for r in await db.fetch(
+                "SELECT j.workflow_run, j.payload ->> 'step' AS step, "
+                "(j.payload ->> 'idx')::int AS idx FROM nasiko_queue_workflow_due AS d "
+                "JOIN nasiko_queue_jobs AS j ON j.id = d.job_id ORDER BY d.id")]
+        await TransitionService(db, TransitionConfig()).drain()
+        assert not await db.fetchval("SELECT count(*) FROM nasiko_queue_workflow_due")
+        return list(self.world.log), due
 
     @precondition(lambda self: self.model.available() and not self.model.held())
     @rule()

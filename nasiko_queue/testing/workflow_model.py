@@ -125,6 +125,29 @@ class WorkflowModel:
 
     def __init__(self) -> None:
         self.runs: dict[UUID, WorkflowRun] = {}
+        #: While the runs' rows are held (`hold`): each step job's end, its
+        #: transition due, not applied (migration 0033).
+        self.holding = False
+        self.due: list[tuple[UUID, str, int, StepJob, str]] = []
+
+    def hold(self) -> None:
+        """Every running run's row is held by another transaction: a step job's
+        end commits, its transition recorded as due (`apply_due` takes them)."""
+        self.holding = True
+
+    def apply_due(self, order: list[tuple[UUID, str, int]]) -> None:
+        """The rows are free; the due transitions are applied in `order` (the
+        database's: the order the jobs' ends committed, which is not the order
+        their functions ran in, since a completion waits for the next claim)."""
+        self.holding = False
+        pending = {(run_id, step, idx): (job, state)
+                   for run_id, step, idx, job, state in self.due}
+        assert sorted(pending) == sorted(order), (
+            f"transitions due: the database has {order}, the model {sorted(pending)}")
+        self.due = []
+        for key in order:
+            job, state = pending[key]
+            self._transition(*key, job, state)
 
     # -- the application ---------------------------------------------------------------
 
@@ -275,6 +298,13 @@ class WorkflowModel:
         """A step job's state became `state`: the trigger's transition (nothing, when
         its run has ended or a retry replaced it)."""
         job.state = state
+        if self.holding and self.runs[run_id].state == RUNNING:
+            self.due.append((run_id, step, idx, job, state))
+            return
+        self._transition(run_id, step, idx, job, state)
+
+    def _transition(self, run_id: UUID, step: str, idx: int, job: StepJob, state: str) -> None:
+        """The transition of a step job that ended in `state`."""
         run = self.runs[run_id]
         row = run.rows[(step, idx)]
         if run.state != RUNNING or not (row.live and row.jobs[-1] is job

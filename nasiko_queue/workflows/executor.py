@@ -77,8 +77,58 @@ async def _stop_unrun(ctx: PlainJobContext[StepArgs]) -> None:
         await trio.sleep_forever()
 
 
-def step_executor(wf: Workflow, step: Step) -> Any:
-    """The plain executor of `step`'s jobs."""
+#: A dependency's result this large (JSON text, in characters) is parsed once per
+#: worker and run, and shared by the steps that read it (`ResultCache`).
+SHARED_RESULT_CHARS = 16 * 1024
+
+
+class ResultCache:
+    """
+    Large dependency results, parsed, by run and step: a fan-out's items each
+    read the list they map over (`ctx.results`), and reading and parsing 100,000
+    items' list once per item cost 70 ms an item (benchmarks/README.md, issue
+    #45). A completed step's result never changes (a retry keeps it), so the
+    worker reads it once per run and the items share the parsed value: treat
+    `ctx.results` as read-only. The few most recent runs are kept.
+    """
+
+    def __init__(self, runs: int = 4) -> None:
+        self._runs = runs
+        self._by_run: dict[UUID, dict[str, Any]] = {}
+
+    def held(self, run_id: UUID) -> dict[str, Any]:
+        """The results held for `run_id` (empty: none)."""
+        held = self._by_run.pop(run_id, None)
+        if held is None:
+            return {}
+        self._by_run[run_id] = held  # the most recent last
+        return held
+
+    def keep(self, run_id: UUID, texts: dict[str, str], parsed: dict[str, Any]) -> None:
+        """Keep those of `parsed` whose text (`texts`) is large."""
+        large = {name: parsed[name] for name, text in texts.items()
+                 if len(text) >= SHARED_RESULT_CHARS}
+        if not large:
+            return
+        self._by_run.setdefault(run_id, {}).update(large)
+        self._by_run[run_id] = self._by_run.pop(run_id)
+        while len(self._by_run) > self._runs:
+            del self._by_run[next(iter(self._by_run))]
+
+
+def _split_results(text: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The results object (JSON text): parsed, and each value's own text length
+    (re-serialised only when the whole is large enough for one to be)."""
+    parsed: dict[str, Any] = json.loads(text)
+    if len(text) < SHARED_RESULT_CHARS:
+        return parsed, {}
+    return parsed, {name: json.dumps(value) for name, value in parsed.items()}
+
+
+def step_executor(wf: Workflow, step: Step, cache: ResultCache | None = None) -> Any:
+    """The plain executor of `step`'s jobs; `cache`: large results it shares
+    with the other steps of the registry (one of its own if None)."""
+    cache = ResultCache() if cache is None else cache
     assert step.fn is not None
     fn = step.fn if is_async_callable(step.fn) else in_thread(
         step.fn, f"workflow {wf.name} step {step.name}")
@@ -91,8 +141,9 @@ def step_executor(wf: Workflow, step: Step) -> Any:
         # row: wait for it to commit, then read (migration 0034), so that the
         # read sees it.
         await ctx.db.execute(Q.workflow_await_run_end, run_id)
+        held = cache.held(run_id)
         row = await ctx.db.fetchrow(Q.workflow_step_inputs, run_id, args.step, args.idx,
-                                    ctx.job_id)
+                                    ctx.job_id, list(held) or None)
         if row is None or row["state"] != "running" or not row["live"]:
             # Its run ended (failed, cancelled) or a retry replaced this job: a
             # step never runs after its run ended. Its end changes nothing.
@@ -104,8 +155,12 @@ def step_executor(wf: Workflow, step: Step) -> Any:
         value = (raw_input if wf.input_type is None or raw_input is None
                  else converter.structure(raw_input, wf.input_type))
         mapped = bool(row["mapped"])  # the run's definition, not this deploy's
+        results, texts = _split_results(row["results"] or "{}")
+        cache.keep(run_id, texts, results)
+        if held:
+            results = {**results, **held}
         sctx = StepContext(run_id=run_id, step=args.step, input=value,
-                           results=_loads(row["results"]) or {},
+                           results=results,
                            item=_loads(row["item"]) if mapped else None,
                            index=args.idx if mapped else None, job=ctx)
         return await fn(sctx)
@@ -123,6 +178,9 @@ def register_workflow(executors: Executors, wf: Workflow,
     cron start's runs wake workers on (`QueueConfig.notify_channel`).
     """
     registry: dict[str, Workflow] = executors.workflows
+    if executors.workflow_results is None:
+        executors.workflow_results = ResultCache()
+    cache: ResultCache = executors.workflow_results
     for each in (wf, *wf.children().values()):
         known = registry.get(each.name)
         if known is each:
@@ -132,7 +190,7 @@ def register_workflow(executors: Executors, wf: Workflow,
         registry[each.name] = each
         for step in each.steps.values():
             if step.kind == "job":
-                executors.register(step.args_type(), step_executor(each, step),
+                executors.register(step.args_type(), step_executor(each, step, cache),
                                    timeout=step.run_timeout, backoff=step.backoff)
     plain = executors.plain_kinds
     if SIGNAL_TIMEOUT_KIND not in plain:
