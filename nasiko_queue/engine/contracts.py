@@ -76,15 +76,15 @@ class ClaimedJob:
     max_attempts: int | None = None
     priority: int = 0
     #: The worker the claim named (`claimed_by`; None for a tool with no worker
-    #: row). A give-back restores the attempt, so the next claim of the row has
-    #: the same attempt number: the give-back checks this too, and a worker
-    #: that registered anew after the fence still gives back its old claims.
+    #: row).
     claimed_by: UUID | None = None
     #: The token the claim wrote on the row (`claim_token`), new for every claim
     #: statement. Every write the worker makes to this claim names it: the
     #: attempt alone cannot tell this run from a later one after a dead-letter
     #: retry (attempts start from 0 again) or a give-back (the attempt is
-    #: restored). None only for a job made by hand (a test of timer logic).
+    #: restored, so the next claim has the same attempt number). A worker that
+    #: registered anew after the fence still names its old claims by their
+    #: tokens. None only for a job made by hand (a test of timer logic).
     claim_token: UUID | None = None
 
     @property

@@ -216,9 +216,8 @@ class Slots(abc.ABC, Generic[S]):
             # A run the fence stopped (it began before the fence) has ended: its
             # job is back. Once all have, the look-ahead claims again.
             state.fence_settling -= 1
-        # The run is over: a cancel mark of its claim is stale (one
-        # delivered as it crashed would else stop the job's next run
-        # of the same attempt number, after a dead-letter retry).
+        # The run is over: a cancel mark of its claim is spent (a later
+        # claim of the job, after a dead-letter retry, has a token of its own).
         state.cancels.discard(job.claim)
         if state.look_ahead is not None:  # "auto": its size follows
             state.look_ahead.observe(trio.current_time() - took)
