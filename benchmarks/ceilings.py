@@ -80,15 +80,17 @@ def same_sql(dsn: str, n_jobs: int, batch: int, streams: int = 1) -> float:
 
     async def stream(conn: asyncpg.Connection) -> int:
         done = 0
+        token = uuid.uuid4()
         rows = list(await conn.fetch(Q.job_claim, batch, kinds, known, MAX_PAYLOAD_BYTES,
-                                     uuid.uuid4(), None))
+                                     token, None))
         while rows:
             done += len(rows)
+            claimed_with, token = token, uuid.uuid4()
             got = await conn.fetch(
                 Q.jobs_finish_many_and_claim, [r["id"] for r in rows],
                 [r["old_attempt"] + 1 for r in rows], [False] * len(rows),
                 [_build_id(r["payload"]) for r in rows], BUILD_FAILED, batch,
-                kinds, known, MAX_PAYLOAD_BYTES, uuid.uuid4(), None)
+                kinds, known, MAX_PAYLOAD_BYTES, token, None, [claimed_with] * len(rows))
             rows = [r for r in got if r["id"] is not None]
         return done
 

@@ -47,8 +47,8 @@ BACKLOG = 60_000
 #: The probe a claim of an unlimited queue pays since issue #23, cut out of the
 #: statement for the "before #23" variant.
 _PROBE = re.compile(r"CASE WHEN EXISTS \(SELECT 1 FROM nasiko_queue_limits WHERE queue = \$3\)"
-                    r"\s+THEN \(SELECT nasiko_queue_limited_pick\(\$3, \$4::integer, "
-                    r"\$8::uuid\[\],\s+\$9::integer\[\]\)\)\s+ELSE ARRAY\(")
+                    r"\s+THEN \(SELECT nasiko_queue_limited_pick\(.*?\) AS f\)\s+ELSE ARRAY\(",
+                    re.DOTALL)
 
 
 def _before_23(sql: str) -> str:
@@ -57,7 +57,7 @@ def _before_23(sql: str) -> str:
     if n != 1 or cut.count("LIMIT $4) END)") != 1 or cut.count("$10::text[]") != 1:
         raise RuntimeError("the claim's limits probe moved: update benchmarks/limits.py")
     # Its results were $8 then (the finishing ids and attempts came in with #23
-    # and migration 0026).
+    # and migration 0026; claim tokens in their place with issue #45).
     return cut.replace("LIMIT $4) END)", "LIMIT $4))").replace("$10::text[]", "$8::text[]")
 
 
@@ -69,18 +69,19 @@ def _claimer(dsn: str, sql: str, old: bool, seconds: float, start_at: float, out
         conn = await asyncpg.connect(dsn)
         bound = QueueConfig().max_payload_bytes
         worker = uuid.uuid4()
-        held: list[tuple[uuid.UUID, int]] = []
+        held: list[tuple[uuid.UUID, uuid.UUID]] = []  # (job, its claim's token)
         latencies: list[float] = []
         await asyncio.sleep(max(0.0, start_at - time.time()))  # the others connect meanwhile
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            ids, attempts = [h[0] for h in held], [h[1] for h in held]
+            ids, tokens = [h[0] for h in held], [h[1] for h in held]
             began = time.perf_counter()
-            finishing = () if old else (ids, attempts)
-            rows = await conn.fetch(sql, ids, attempts, QUEUE, 1, uuid.uuid4(), worker, bound,
+            finishing = () if old else (ids, tokens)
+            token = uuid.uuid4()
+            rows = await conn.fetch(sql, ids, tokens, QUEUE, 1, token, worker, bound,
                                     *finishing, [None] * len(ids))
             latencies.append(time.perf_counter() - began)
-            held = [(r["id"], r["old_attempt"] + 1) for r in rows if r["id"] is not None]
+            held = [(r["id"], token) for r in rows if r["id"] is not None]
         await conn.close()
         out.put(latencies)
 

@@ -111,10 +111,10 @@ async def test_a_cancel_waiting_on_a_crashed_run_going_back_cancels_it(
     store = PlainJobStore(queue.db, queue.config, "default", lambda: None)
     [job] = await store.claim(1)
     if crash == "retry":
-        answer = await _cancel_while_held(queue, job_id, Q.plain_retry, job.attempt, 0.0,
+        answer = await _cancel_while_held(queue, job_id, Q.plain_retry, job.claim_token, 0.0,
                                           "boom")
     else:
-        answer = await _cancel_while_held(queue, job_id, Q.plain_reset, job.attempt)
+        answer = await _cancel_while_held(queue, job_id, Q.plain_reset, job.claim_token)
     assert answer == "cancelled"
     assert answer is CancelResult.CANCELLED
     row = await queue.db.fetchrow(ROW, job_id)
@@ -160,8 +160,8 @@ async def test_a_run_end_waiting_on_a_cancel_ends_the_job_cancelled(
         await queue.db.execute("UPDATE nasiko_queue_jobs SET attempted_at = attempted_at "
                                "- interval '2 hours' WHERE id = $1", job_id)
     ends = {
-        "retry": lambda: queue.db.fetchval(Q.plain_retry, job_id, job.attempt, 0.0, "boom"),
-        "reset": lambda: queue.db.execute(Q.plain_reset, job_id, job.attempt),
+        "retry": lambda: queue.db.fetchval(Q.plain_retry, job_id, job.claim_token, 0.0, "boom"),
+        "reset": lambda: queue.db.execute(Q.plain_reset, job_id, job.claim_token),
         "rescue": lambda: queue.db.fetchrow(Q.plain_rescue, None),
     }
     results: list[Any] = []

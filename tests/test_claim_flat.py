@@ -47,7 +47,7 @@ async def _schedule_later(db: Database, n: int, priority: int) -> None:
 async def _claim_pages(db: Database) -> int:
     """Pages one claim of queue 'ticks' reads, on the generic plan (rolled back)."""
     return await generic_plan_pages(db, Q.plain_claim,
-                                    "text, int, uuid, uuid, int, uuid[], int[]",
+                                    "text, int, uuid, uuid, int, uuid[], uuid[]",
                                     "'ticks', 1, gen_random_uuid(), NULL, 1000000, '{}', '{}'")
 
 
@@ -107,7 +107,7 @@ async def test_a_plan_made_while_the_queue_was_empty_still_reads_the_indexes(
     """
     kinds = "{" + ",".join(sorted(KINDS)) + "}"
     if lane == "plain":
-        sql, types = Q.plain_claim, "text, int, uuid, uuid, int, uuid[], int[]"
+        sql, types = Q.plain_claim, "text, int, uuid, uuid, int, uuid[], uuid[]"
         call = "EXECUTE nq_empty('ticks', 5, gen_random_uuid(), NULL, 1000000, '{}', '{}')"
         fill = ("INSERT INTO nasiko_queue_jobs (id, queue, kind, payload, max_attempts) "
                 "SELECT gen_random_uuid(), 'ticks', 'tick', '{}', 5 "

@@ -219,14 +219,15 @@ async def test_generic_plans_of_the_queue_statements_never_scan_the_job_table(
         "job_claim": ("int, text[], text[], int, uuid, uuid",
                       f"10, {kinds}, {kinds}, 1000, gen_random_uuid(), gen_random_uuid()"),
         "jobs_finish_many_and_claim": (
-            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid",
+            "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid, "
+            "uuid[]",
             f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
-            "gen_random_uuid(), gen_random_uuid()"),
+            f"gen_random_uuid(), gen_random_uuid(), {ids}"),
         "jobs_finish_reported_and_claim": (
             "uuid[], int[], boolean[], uuid[], text, int, text[], text[], int, uuid, uuid, "
-            "text[]",
+            "text[], uuid[]",
             f"{ids}, ARRAY[1], ARRAY[false], {ids}, 'failed', 10, {kinds}, {kinds}, 1000, "
-            "gen_random_uuid(), gen_random_uuid(), ARRAY['success']"),
+            f"gen_random_uuid(), gen_random_uuid(), ARRAY['success'], {ids}"),
         "jobs_unclaim": ("uuid[], int[], text, uuid[]", f"{ids}, ARRAY[1], 'ch', '{{NULL}}'"),
         "jobs_unclaim_lost": ("uuid, int, text", "gen_random_uuid(), 60, 'ch'"),
     }
@@ -269,6 +270,7 @@ async def test_the_finish_probes_its_jobs_by_primary_key_not_every_running_job(
             "gen_random_uuid(), gen_random_uuid()")
     if "reported" in name:
         types, args = types + ", text[]", args + ", ARRAY['success']"
+    types, args = types + ", uuid[]", args + f", {ids}"  # the claim tokens
 
     plan = await generic_plan(queue.db, getattr(Q, name), types, args)
     assert "status = 'in_progress'" not in plan, plan
@@ -290,9 +292,9 @@ async def test_the_plain_finish_probes_its_jobs_by_primary_key(queue: Queue) -> 
         "max_attempts) SELECT gen_random_uuid(), 'default', 'k', '{}', 'running', 1, "
         "gen_random_uuid(), 20 "
         "FROM generate_series(1, 2000)")
-    types = "uuid[], int[], text, int, uuid, uuid, int, uuid[], int[], text[]"
-    args = ("ARRAY[gen_random_uuid()], ARRAY[1], 'default', 10, gen_random_uuid(), NULL, 1000, "
-            "'{}', '{}', ARRAY['{}']")
+    types = "uuid[], uuid[], text, int, uuid, uuid, int, uuid[], uuid[], text[]"
+    args = ("ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], 'default', 10, "
+            "gen_random_uuid(), NULL, 1000, '{}', '{}', ARRAY['{}']")
 
     plan = await generic_plan(queue.db, Q.plain_finish_many_and_claim, types, args)
     assert "nasiko_queue_jobs_running" not in plan, plan
@@ -356,11 +358,11 @@ def test_a_finish_with_nothing_reported_leaves_the_build_rows_alone() -> None:
     for name in ("jobs_finish_many_and_claim", "jobs_finish_many_and_claim_kinds"):
         text = code_of(getattr(Q, name))
         for writes in ("UPDATE agent_builds", "UPDATE mcp_connector_builds", "FOR UPDATE\n",
-                       "$12"):
+                       "$12::text[]", "$13"):
             assert writes not in text, (name, writes)
     reported = code_of(Q.jobs_finish_reported_and_claim)
     assert "UPDATE agent_builds" in reported
-    assert "$12" in reported
+    assert "$12::text[]" in reported
 
 
 def test_the_two_finishes_share_their_finish_and_result_lines() -> None:

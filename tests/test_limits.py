@@ -263,8 +263,8 @@ async def test_a_spent_rate_claims_nothing_and_says_when_it_allows(queue: Queue)
     assert 50.0 < wait <= 60.0
     # A run given back still counted as a start (never exceeded)...
     [job] = await queue.db.fetch(
-        "SELECT id, attempt FROM nasiko_queue_jobs WHERE state = 'running' LIMIT 1")
-    await queue.db.execute(Q.plain_unclaim, [job["id"]], [job["attempt"]], [None])
+        "SELECT id, claim_token FROM nasiko_queue_jobs WHERE state = 'running' LIMIT 1")
+    await queue.db.execute(Q.plain_unclaim, [job["id"]], [job["claim_token"]])
     assert await store.claim(5) == []
     # ...until its window passes.
     await queue.db.execute("UPDATE nasiko_queue_limit_starts "

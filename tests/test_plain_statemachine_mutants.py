@@ -63,6 +63,14 @@ UNION ALL SELECT 'already ' || state FROM nasiko_queue_jobs
           WHERE id = $1 AND state NOT IN ('available', 'running')
 """
 
+async def _reset_by_attempt(self: nasiko_queue.plain.store.PlainJobStore, job: Any) -> bool:
+    """`PlainJobStore.reset` as it was before issue #45: guarded by the attempt."""
+    status = await self._db.execute(
+        "UPDATE nasiko_queue_jobs SET state = 'available', claim_token = NULL "
+        "WHERE id = $1 AND attempt = $2 AND state = 'running'", job.id, job.attempt)
+    return not status.endswith(" 0")
+
+
 async def _statements_one_by_one(self: Queue, statements: list[Any],
                                  tx: Any) -> dict[int, Any]:
     """`Queue._insert_statements` with each statement committed by itself (no tx)."""
@@ -95,8 +103,20 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
         plain_insert_notify=("$9, $10::text[]", "$9 || gen_random_uuid()::text, $10::text[]")),
     # A cancel of a running job lets the run end completed.
     "cancel_of_running_completes": lambda mp: plant_sql(mp, nasiko_queue.plain.store, plain_end=(
-        "SET state = $3,",
-        "SET state = CASE WHEN $3::text = 'cancelled' THEN 'completed' ELSE $3 END,")),
+        "SELECT e.state, CASE WHEN e.state = 'cancelled'",
+        "SELECT CASE WHEN e.state = 'cancelled' THEN 'completed' ELSE e.state END,\n"
+        "               CASE WHEN e.state = 'cancelled'")),
+    # A frozen worker's fence resets its job by id alone, not by its claim: after
+    # a rescue it resets whatever run the job has now (issue #45).
+    "stale_reset_names_the_job_not_the_claim": lambda mp: plant_sql(
+        mp, nasiko_queue.plain.store, plain_reset=(
+            "WHERE id = $1 AND claim_token = $2 AND state = 'running'",
+            "WHERE id = $1 AND $2::uuid IS NOT NULL AND state = 'running'")),
+    # main before issue #45: the fence's reset names the claim by its attempt; after
+    # a rescue, an operator's retry (attempts from 0) and a new claim of the same
+    # attempt, the frozen worker's reset takes the new run's row.
+    "stale_reset_names_the_attempt_not_the_token": lambda mp: swap(
+        mp, nasiko_queue.plain.store.PlainJobStore, "reset", _reset_by_attempt),
     # The rescue gives a dead worker's job back with its attempt not counted.
     "rescue_does_not_count_the_attempt": lambda mp: plant_sql(
         mp, nasiko_queue.builds.store, plain_rescue=(

@@ -206,18 +206,25 @@ class _Unreported(QueueStateMachine):
 async def test_finds_final_writes_that_do_not_check_the_claim_is_current(
     dsn: str, monkeypatch: pytest.MonkeyPatch, write: str
 ) -> None:
-    """A write guarded by the job id and status only, not by the claim's attempt:
-    a worker whose claim was handed on overwrites its successor's."""
-    statements, guard = {
+    """A write guarded by the job id and status only, not by the claim (its
+    attempt and token): a worker whose claim was handed on overwrites its
+    successor's."""
+    statements, guard, unguarded = {
         "finish": (_EVERY_FINISH,
-                   "AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt"),
-        "fail": (("job_fail",), "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
+                   "AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt\n"
+                   "      AND j.claim_token = o.token",
+                   "AND coalesce(j.status, '') = 'in_progress'"),
+        "fail": (("job_fail",),
+                 "WHERE id = $1 AND status = 'in_progress' AND attempt = $2\n"
+                 "  AND claim_token IS NOT DISTINCT FROM $6::uuid",
+                 "WHERE id = $1 AND status = 'in_progress' AND $2::int IS NOT NULL\n"
+                 "  AND ($6::uuid IS NULL OR true)"),
         "reset": (("job_reset_to_pending",),
-                  "WHERE id = $1 AND status = 'in_progress' AND attempt = $2"),
+                  "WHERE id = $1 AND status = 'in_progress' AND attempt = $2 AND claim_token = $4",
+                  "WHERE id = $1 AND status = 'in_progress' AND $2::int IS NOT NULL "
+                  "AND $4::uuid IS NOT NULL"),
     }[write]
-    # The attempt is still passed, but no longer compared with the row's.
-    unguarded = guard.rsplit(" AND ", 1)[0] + (
-        " AND $2::int IS NOT NULL" if write != "finish" else "")
+    # The claim is still passed, but no longer compared with the row's.
     plant_sql(monkeypatch, nasiko_queue.builds.store,
               **dict.fromkeys(statements, (guard, unguarded)))
     # Which rule meets the stale write first depends on timing (a hard stop's

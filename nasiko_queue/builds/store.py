@@ -7,8 +7,12 @@ one transaction. The worker loop talks only to the `JobStore` protocol, so its
 timer logic can be tested against an in-memory fake on trio's mock clock.
 
 Every write to a claimed job is guarded by the claim itself (`id`, `attempt`,
-`status = 'in_progress'`): a job that the sweep has meanwhile handed to another
-worker, or whose target was deleted, is left alone and the write reports False.
+`claim_token`, `status = 'in_progress'`): a job that the sweep or the rescue
+has meanwhile handed to another worker, that an operator retried, or whose
+target was deleted, is left alone and the write reports False. The attempt
+alone would not do (the dead-letter retry counts attempts from 0 again), nor
+the token alone (the original's SQL claims without writing it): see
+`jobs_finish_many_and_claim` in queries.sql.
 
 The worker's statements are bounded by `QueueConfig.cleanup_timeout` on both
 sides of the trio/asyncio bridge (`Database.run_bounded`). A claim whose answer
@@ -70,14 +74,15 @@ RECOVERY_LOCK_WAIT = "2s"
 _STATUS: Final = {s.value: s for s in JobStatus}
 
 
-def _claimed(row: asyncpg.Record, worker: UUID | None) -> ClaimedJob:
+def _claimed(row: asyncpg.Record, worker: UUID | None, token: UUID) -> ClaimedJob:
     """A claimed row, field by field (a row of the finish also carries
     `finished_id` and `finished_status`, which are not the job's), claimed by
-    `worker`."""
+    `worker` with claim token `token`."""
     return ClaimedJob(id=row["id"], agent_id=row["agent_id"], connector_id=row["connector_id"],
                       owner_id=row["owner_id"], payload=row["payload"],
                       old_attempt=row["old_attempt"], created_at=row["created_at"],
-                      target_soft_deleted=row["target_soft_deleted"], claimed_by=worker)
+                      target_soft_deleted=row["target_soft_deleted"], claimed_by=worker,
+                      claim_token=token)
 
 
 class PgJobStore:
@@ -139,7 +144,7 @@ class PgJobStore:
                 worker)
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
-        jobs = [_claimed(row, worker) for row in rows]
+        jobs = [_claimed(row, worker, token) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
 
@@ -196,9 +201,10 @@ class PgJobStore:
             token,
             worker,
         )
-        sql = self._finish_sql
+        tokens = [j.claim_token for j, _, _ in sent]
+        sql, args = self._finish_sql, (*args, tokens)
         if any(r is not None for _, _, r in sent):
-            sql, args = self._finish_reported_sql, (*args, [r for _, _, r in sent])
+            sql, args = self._finish_reported_sql, (*args[:-1], [r for _, _, r in sent], tokens)
         rows = await fetch_claiming(self._db, sql, args, token=token,
                                     claims=limit > 0, bound=self._bound)
         statuses: dict[UUID, JobStatus | None] = {}
@@ -208,7 +214,7 @@ class PgJobStore:
                 status = row["finished_status"]
                 statuses[row["finished_id"]] = None if status is None else _STATUS[status]
             else:
-                claimed.append(_claimed(row, worker))
+                claimed.append(_claimed(row, worker, token))
         claimed.sort(key=lambda j: j.order)
         return statuses, claimed
 
@@ -243,7 +249,7 @@ class PgJobStore:
         if not jobs:
             return 0
         args = ([j.id for j in jobs], [j.attempt for j in jobs], self._config.notify_channel,
-                [j.claimed_by for j in jobs])
+                [j.claim_token for j in jobs])
         row = await self._db.run_bounded(
             lambda conn: conn.fetchrow(Q.jobs_unclaim, *args, timeout=self._bound),
             bound=self._bound, generic=True)
@@ -268,9 +274,10 @@ class PgJobStore:
 
         async def op(conn: asyncpg.Connection) -> bool:
             async with conn.transaction():
-                return await self._fail_in(conn, job.id, job.attempt, job.agent_id,
-                                           job.connector_id, message, own_build_id,
-                                           terminalize=terminalize, stuck_mins=None)
+                return await self._fail_in(conn, job.id, job.attempt, job.claim_token,
+                                           job.agent_id, job.connector_id, message,
+                                           own_build_id, terminalize=terminalize,
+                                           stuck_mins=None)
 
         ours: bool = await self._db.run_bounded(op, bound=self._bound)
         if not ours:
@@ -282,6 +289,7 @@ class PgJobStore:
         conn: asyncpg.Connection,
         job_id: UUID,
         attempt: int,
+        token: UUID | None,
         agent_id: UUID | None,
         connector_id: UUID | None,
         message: str,
@@ -291,7 +299,8 @@ class PgJobStore:
         stuck_mins: int | None,
         held_by: UUID | None = None,
     ) -> bool:
-        """Fail one claimed job inside the caller's transaction, target locked first."""
+        """Fail one claimed job inside the caller's transaction, target locked first;
+        the claim is (`job_id`, `attempt`, `token`)."""
         bound = self._bound if stuck_mins is None and held_by is None else None
         if bound is None:  # a recovery: a target locked elsewhere waits for the next round
             await conn.execute(Q.recovery_lock_wait, RECOVERY_LOCK_WAIT)
@@ -302,7 +311,7 @@ class PgJobStore:
                 await conn.fetchval(Q.connector_lock, connector_id, timeout=bound) is None:
             return False
         row = await conn.fetchrow(Q.job_fail, job_id, attempt, message, stuck_mins, held_by,
-                                  timeout=bound)
+                                  token, timeout=bound)
         if row is None:
             return False
         build_id = own_build_id or raw_build_id(
@@ -318,7 +327,8 @@ class PgJobStore:
         """Back to pending with picked_at NULL (the attempt stays counted); NOTIFY."""
         row = await self._db.run_bounded(
             lambda conn: conn.fetchrow(Q.job_reset_to_pending, job.id, job.attempt,
-                                       self._config.notify_channel, timeout=self._bound),
+                                       self._config.notify_channel, job.claim_token,
+                                       timeout=self._bound),
             bound=self._bound)
         return row is not None
 
@@ -390,9 +400,9 @@ class PgJobStore:
             async def op(conn: asyncpg.Connection) -> bool:
                 async with conn.transaction():
                     return await self._fail_in(
-                        conn, row["id"], row["attempt"], row["agent_id"], row["connector_id"],
-                        MAX_ATTEMPTS_EXCEEDED, None, terminalize=terminalize, stuck_mins=mins,
-                        held_by=held_by)
+                        conn, row["id"], row["attempt"], row["claim_token"], row["agent_id"],
+                        row["connector_id"], MAX_ATTEMPTS_EXCEEDED, None,
+                        terminalize=terminalize, stuck_mins=mins, held_by=held_by)
             return op
 
         for terminalize in (True, False):

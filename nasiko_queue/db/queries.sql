@@ -91,14 +91,17 @@ RETURNING j.id, j.agent_id, j.connector_id, j.owner_id,
 -- name: job_fail
 -- Fail a claimed job with a fixed message (completed_at = now(), picked_at keeps
 -- the claim time). Only the claim that is still current is touched ($1 id, $2
--- attempt); the sweep passes $4, the stuck threshold in minutes, and the rescue
--- $5, the dead worker, so that a job finished or handed on since it was chosen
--- is left alone. Returns the target
+-- attempt, $6 the claim's token: the worker's own, or the one the sweep or the
+-- rescue read with the row, NULL for a claim of the original's SQL that found
+-- none; see jobs_finish_many_and_claim for why both); the sweep passes $4, the
+-- stuck threshold in minutes, and the rescue $5, the dead worker, so that a job
+-- finished or handed on since it was chosen is left alone. Returns the target
 -- and, for the job's own build row, the payload's build ids as text: read by
 -- PostgreSQL, so a payload Python cannot parse still names its build.
 UPDATE build_jobs
 SET status = 'failed', error_msg = $3, completed_at = now()
 WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+  AND claim_token IS NOT DISTINCT FROM $6::uuid
   AND ($4::int IS NULL OR picked_at < now() - make_interval(mins => $4))
   AND ($5::uuid IS NULL OR claimed_by = $5)
 RETURNING agent_id, connector_id, payload ->> 'kind' AS kind,
@@ -132,13 +135,15 @@ SELECT set_config('statement_timeout', $1, true);
 
 -- name: job_reset_to_pending
 -- Put a claimed job back at the front of the queue: after a panic with attempts
--- left, or when a hard stop cancels its executor. The attempt stays counted.
--- NOTIFYs channel $3 (when not NULL) if the job went back, so that another
--- replica takes it at once instead of at its next poll.
+-- left, or when a hard stop or the fence cancels its executor. The attempt stays
+-- counted. Only the claim ($1 id, $2 attempt, $4 token) that is still current
+-- (see jobs_finish_many_and_claim). NOTIFYs channel $3 (when not NULL) if the
+-- job went back, so that another replica takes it at once instead of at its
+-- next poll.
 WITH reset AS (
     UPDATE build_jobs
     SET status = 'pending', picked_at = NULL, claim_token = NULL, claimed_by = NULL
-    WHERE id = $1 AND status = 'in_progress' AND attempt = $2
+    WHERE id = $1 AND status = 'in_progress' AND attempt = $2 AND claim_token = $4
     RETURNING id
 )
 SELECT id, CASE WHEN $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified FROM reset;
@@ -151,7 +156,7 @@ SELECT id, CASE WHEN $3::text IS NOT NULL THEN pg_notify($3, '') END AS notified
 -- The 60-minute rule is for rows no live worker holds: those of replicas that
 -- do not heartbeat (the original's SQL sets no `claimed_by`); a heartbeating
 -- worker's jobs run as long as it lives, and are rescued when it dies.
-SELECT id, attempt, agent_id, connector_id
+SELECT id, attempt, claim_token, agent_id, connector_id
 FROM build_jobs AS j
 WHERE status = 'in_progress'
   AND picked_at < now() - make_interval(mins => $1)
@@ -496,23 +501,38 @@ WHERE id = ANY (ARRAY(
 -- Finish jobs and claim what their slots (and the prefetch buffer) have room
 -- for, in one round trip: the worker's fetcher sends it with every finish queued
 -- since its previous statement. Finish every job of the batch
--- ($1 ids, $2 attempts, $3 connector?, $4 build ids; $5 the failure message):
--- done when its build row says 'success', else failed. Claim up to $6 next jobs
--- ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with finished_id set report
--- a finish (finished_status: what the row holds for that attempt now, NULL when
--- gone or no longer ours; a retried batch thus reports what its first try
--- wrote); rows with id set are claimed jobs.
+-- ($1 ids, $2 attempts, $12 claim tokens, $3 connector?, $4 build ids; $5 the
+-- failure message): done when its build row says 'success', else failed. Claim
+-- up to $6 next jobs ($7, $8, $9, $10, $11 as $2-$6 of job_claim). Rows with
+-- finished_id set report a finish (finished_status: what the row holds for that
+-- claim now, NULL when gone or no longer ours; a retried batch thus reports what
+-- its first try wrote); rows with id set are claimed jobs.
+--
+-- A claim is named by its token AND its attempt, in every write a worker makes
+-- to its claimed build job (job_fail, job_reset_to_pending, jobs_unclaim too).
+-- The attempt alone is not enough: the dead-letter retry (build_job_requeue)
+-- starts the attempts from 0 again, so that a frozen worker's run (id, 1) and
+-- the run after an operator's retry (id, 1) share an attempt. The token alone is
+-- not either: build_jobs is shared with the original's SQL, whose claim, reset
+-- and sweep never write claim_token (0006), so a token of ours stays on a row
+-- the original claims after its sweep reset ours. Together they name one claim:
+-- each of our claims sets a token of its own; the original's claim raises the
+-- attempt and no statement of the original lowers it; the statements that lower
+-- it (our give-backs, our dead-letter retry) clear the token, as our rescue and
+-- sweep do. What the shared table cannot give: the original's own writes are
+-- guarded by the id alone, so a stale run of the original's worker can still
+-- overwrite a row (docs/rules.md).
 -- This is the statement for a batch in which no executor reported through its
 -- context; `jobs_finish_reported_and_claim` writes the reports too. Kept apart
 -- because the server sets up every part of a statement's plan on every run,
 -- used or not: the build-row locks and writes, unused here, made a batch of five
 -- no-op jobs cost the server's backend 14 us of CPU a job more (issue #25).
 WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[])
-        AS i(id, attempt, is_connector, build_id)
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::uuid[])
+        AS i(id, attempt, is_connector, build_id, token)
 ), outcome AS (
     -- What decides each finish: the build row as it stands.
-    SELECT i.id, i.attempt, i.build_id,
+    SELECT i.id, i.attempt, i.token, i.build_id,
            CASE WHEN i.is_connector
                 THEN (SELECT b.status FROM mcp_connector_builds AS b WHERE b.id = i.build_id)
                 ELSE (SELECT b.status::text FROM agent_builds AS b WHERE b.id = i.build_id)
@@ -529,6 +549,7 @@ WITH input AS (
     -- take in_progress for rare) reads every in_progress row of every worker.
     WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
       AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
+      AND j.claim_token = o.token
     RETURNING j.id, j.status
 ), claimed AS (
     -- include job_claim, its $1-$6 as $6-$11
@@ -536,6 +557,7 @@ WITH input AS (
 SELECT i.id AS finished_id,
        coalesce(f.status, (SELECT c.status FROM build_jobs AS c
                            WHERE c.id = i.id AND c.attempt = i.attempt
+                             AND c.claim_token = i.token
                              AND c.status IN ('done', 'failed'))) AS finished_status,
        NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
        NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
@@ -554,8 +576,8 @@ FROM claimed AS c;
 -- name: jobs_finish_reported_and_claim
 -- `jobs_finish_many_and_claim` for a batch in which an executor reported through
 -- its context (issue #13: its build-row writes folded into this statement), or
--- one that carries start writes: the same arguments and result, and $12, one per
--- row of $1, what was reported: NULL, nothing (the build row decides as it
+-- one that carries start writes: the same arguments and result (the claim
+-- tokens as $13), and $12, one per row of $1, what was reported: NULL, nothing (the build row decides as it
 -- stands); 'success' or 'failed', a finish that also writes the build row,
 -- atomically with the job's done or failed (a connector build's completed_at
 -- too), unless that row is already 'success' or 'failed' (then it stays, and
@@ -563,8 +585,9 @@ FROM claimed AS c;
 -- (`JobContext.mark_building`): the build row goes from 'queued' ('pending' for a
 -- connector) to 'building', and from nothing else.
 WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::text[])
-        AS i(id, attempt, is_connector, build_id, reported)
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::boolean[], $4::uuid[], $12::text[],
+                         $13::uuid[])
+        AS i(id, attempt, is_connector, build_id, reported, token)
 ), report AS (
     -- The folded writes, one per build row: two runs reporting on one row in one
     -- statement (two jobs of one build) agree on one status, the failure.
@@ -593,7 +616,7 @@ WITH input AS (
     -- What decides each finish: the build row as it stands, or, for a folded
     -- report, the reported status, unless the (locked) row is already 'success' or
     -- 'failed' (then it decides, and is left as it is) or missing (failed).
-    SELECT i.id, i.attempt, i.build_id, i.reported IS NOT NULL AS folded,
+    SELECT i.id, i.attempt, i.token, i.build_id, i.reported IS NOT NULL AS folded,
            CASE WHEN i.reported IS NOT NULL
                 THEN (SELECT CASE WHEN l.status IN ('success', 'failed') THEN l.status
                                   ELSE r.reported END
@@ -617,6 +640,7 @@ WITH input AS (
     -- take in_progress for rare) reads every in_progress row of every worker.
     WHERE j.id = ANY ($1::uuid[]) AND j.id = o.id
       AND coalesce(j.status, '') = 'in_progress' AND j.attempt = o.attempt
+      AND j.claim_token = o.token
       -- The build rows first, in id order, whichever writer of this statement runs
       -- first (a data-modifying CTE the main query does not read runs at its end, in
       -- no promised order): a one-time filter over `locked`, on every writer.
@@ -663,6 +687,7 @@ WITH input AS (
 SELECT i.id AS finished_id,
        coalesce(f.status, (SELECT c.status FROM build_jobs AS c
                            WHERE c.id = i.id AND c.attempt = i.attempt
+                             AND c.claim_token = i.token
                              AND c.status IN ('done', 'failed'))) AS finished_status,
        NULL::uuid AS id, NULL::uuid AS agent_id, NULL::uuid AS connector_id,
        NULL::uuid AS owner_id, NULL::text AS payload, NULL::int AS old_attempt,
@@ -685,17 +710,17 @@ FROM claimed AS c;
 -- they never ran ($1 ids, $2 the attempts the claim gave them), and a NOTIFY on
 -- $3 (when not NULL) so that an idle replica takes them at once. Returns how
 -- many went back; a row the sweep has meanwhile handed on is left alone. $4:
--- the worker each claim named (NULL: none). The give-back restores the
--- attempt, so the next claim of a row has the same attempt number again: a
--- retried give-back whose first try had committed unanswered must not match
--- another worker's claim of it.
+-- the token of each one's claim (a claim is named by its token and its attempt,
+-- see jobs_finish_many_and_claim). The give-back restores the attempt, so the
+-- next claim of a row has the same attempt number again: a retried give-back
+-- whose first try had committed unanswered must not match another claim of it.
 WITH given AS (
     UPDATE build_jobs AS j
     SET status = 'pending', picked_at = NULL, attempt = j.attempt - 1, claim_token = NULL,
         claimed_by = NULL
-    FROM unnest($1::uuid[], $2::int[], $4::uuid[]) AS b(id, attempt, holder)
+    FROM unnest($1::uuid[], $2::int[], $4::uuid[]) AS b(id, attempt, token)
     WHERE j.id = b.id AND j.status = 'in_progress' AND j.attempt = b.attempt
-      AND j.claimed_by IS NOT DISTINCT FROM b.holder
+      AND j.claim_token = b.token
     RETURNING j.id
 )
 SELECT count(*) AS given_back,
@@ -842,7 +867,7 @@ RETURNING id;
 -- worker). A dead worker's claims are all older than the end of its lease (or
 -- its retirement): a later claim naming it was made by someone else (the
 -- original's SQL, which never sets `claimed_by`, after its own sweep).
-SELECT j.id, j.attempt, j.agent_id, j.connector_id, j.claimed_by
+SELECT j.id, j.attempt, j.claim_token, j.agent_id, j.connector_id, j.claimed_by
 FROM build_jobs AS j
 JOIN nasiko_queue_workers AS w ON w.id = j.claimed_by
 WHERE w.dead_at IS NOT NULL AND j.status = 'in_progress' AND j.attempt >= $1
@@ -1078,21 +1103,30 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted;
 -- primary-key probe for every queue) is claimed by nasiko_queue_limited_pick
 -- instead, which serialises the queue's claims across replicas and takes no
 -- more than its concurrency and rate limits allow; $6 and $7: the running jobs
--- the same statement completes and their attempts (each frees its slot while
--- its row still runs that attempt, migration 0026: a late finish of a job
--- claimed again elsewhere frees none). The scalar subquery makes its answer an
--- init plan, computed once, so the id lookup stays an index scan. It is given
--- this statement's snapshot, and picks only jobs this UPDATE can see (0035: a
--- job committed while the pick waited for the queue's lock was picked, its
--- start counted, and not claimed).
+-- the same statement completes and their claim tokens. Each frees its slot only
+-- while its row still holds that claim: the pick is told the ids and attempts
+-- of those whose token the row still carries (read here, in the statement's
+-- snapshot, where this statement's finish holds the row of each it completes),
+-- and re-checks the attempt once it holds the queue's lock (migration 0026). A
+-- late finish of a job claimed again elsewhere frees none, whatever attempt
+-- the new claim counts (after an operator's retry it is the same number). The
+-- scalar subquery makes its answer an init plan, computed once, so the id
+-- lookup stays an index scan. It is given this statement's snapshot, and picks
+-- only jobs this UPDATE can see (0035: a job committed while the pick waited
+-- for the queue's lock was picked, its start counted, and not claimed).
 -- The attempted_at it replaces is kept for a give-back to restore (0025).
 UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
     previous_attempted_at = j.attempted_at, claim_token = $3, claimed_by = $4
 WHERE j.id = ANY (CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
-                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[],
-                                                                $7::integer[],
-                                                                pg_current_snapshot()))
+                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer,
+                                                                coalesce(f.ids, '{}'),
+                                                                coalesce(f.attempts, '{}'),
+                                                                pg_current_snapshot())
+                             FROM (SELECT array_agg(r.id) AS ids, array_agg(r.attempt) AS attempts
+                                   FROM unnest($6::uuid[], $7::uuid[]) AS e(id, token)
+                                   JOIN nasiko_queue_jobs AS r
+                                        ON r.id = e.id AND r.claim_token = e.token) AS f)
                        ELSE ARRAY(
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM nasiko_queue_jobs
@@ -1119,23 +1153,31 @@ RETURNING j.id, j.kind,
           j.attempt - 1 AS old_attempt, j.max_attempts, j.priority, j.run_at AS created_at;
 
 -- name: plain_finish_many_and_claim
--- Complete the jobs whose executors returned ($1 ids, $2 attempts: each guarded
--- by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5 token, $6
--- worker, $7 payload bound), in one round trip; a paused queue claims nothing,
--- but its finishes still complete. $10: what each executor returned (JSON text;
--- NULL: nothing), written as its result with the completion (migration 0017;
--- the trigger there wakes whoever waits for it). Rows with finished_id report a
--- finish ('completed', or NULL when no longer ours); rows with id are claims.
--- $8 and $9: $1 and $2 again (`plain_claim`'s $6 and $7: a limited queue's
--- claim counts those still running their attempt as ended).
+-- Complete the jobs whose executors returned ($1 ids, $2 their claim tokens:
+-- each guarded by its claim) and claim as `plain_claim` ($3 queue, $4 limit, $5
+-- token, $6 worker, $7 payload bound), in one round trip; a paused queue claims
+-- nothing, but its finishes still complete. $10: what each executor returned
+-- (JSON text; NULL: nothing), written as its result with the completion
+-- (migration 0017; the trigger there wakes whoever waits for it). Rows with
+-- finished_id report a finish ('completed', or NULL when no longer ours); rows
+-- with id are claims. $8 and $9: $1 and $2 again (`plain_claim`'s $6 and $7: a
+-- limited queue's claim counts those still holding their claim as ended).
+--
+-- The claim token, not the attempt, names the claim (as in every write a worker
+-- makes to its claimed plain job: plain_retry, plain_defer, plain_end,
+-- plain_reset, plain_unclaim): each claim sets a token of its own, and the
+-- rescue, the sweep, a give-back and the dead-letter retry clear it, whereas the
+-- retry starts the attempts from 0 again, so that a frozen worker's run (id, 1)
+-- and the run after an operator's retry (id, 1) share an attempt. A completion
+-- keeps its token, so that a retried batch reports what its first try wrote.
 WITH finished AS (
     UPDATE nasiko_queue_jobs AS j
     SET state = 'completed', finished_at = now(), error_msg = NULL, result = i.result::jsonb
-    FROM unnest($1::uuid[], $2::int[], $10::text[]) AS i(id, attempt, result)
+    FROM unnest($1::uuid[], $2::uuid[], $10::text[]) AS i(id, token, result)
     -- By primary key: a state test an index of running jobs matches would read
     -- every running job of every worker (as in jobs_finish_many_and_claim).
     WHERE j.id = ANY ($1::uuid[]) AND j.id = i.id AND coalesce(j.state, '') = 'running'
-      AND j.attempt = i.attempt
+      AND j.claim_token = i.token
     RETURNING j.id, j.state
 ), claimed AS (
     -- The loader (`statements.py`) writes in `plain_claim`, so that the claim is spelled once.
@@ -1143,23 +1185,24 @@ WITH finished AS (
 )
 SELECT i.id AS finished_id,
        coalesce(f.state, (SELECT c.state FROM nasiko_queue_jobs AS c
-                          WHERE c.id = i.id AND c.attempt = i.attempt
+                          WHERE c.id = i.id AND c.claim_token = i.token
                             AND c.state = 'completed')) AS finished_status,
        NULL::uuid AS id, NULL::text AS kind, NULL::text AS payload, NULL::int AS old_attempt,
        NULL::int AS max_attempts, NULL::smallint AS priority, NULL::timestamptz AS created_at
-FROM unnest($1::uuid[], $2::int[]) AS i(id, attempt) LEFT JOIN finished AS f ON f.id = i.id
+FROM unnest($1::uuid[], $2::uuid[]) AS i(id, token) LEFT JOIN finished AS f ON f.id = i.id
 UNION ALL
 SELECT NULL, NULL, c.id, c.kind, c.payload, c.old_attempt, c.max_attempts, c.priority,
        c.created_at
 FROM claimed AS c;
 
 -- name: plain_retry
--- Run $2 of job $1 crashed (raised, timed out, or no executor here): available
--- again in $3 seconds, or discarded when it was the last attempt, or cancelled
--- when a cancel was asked for meanwhile (as the rescue does); $4 the error, one
--- line. Which of the three is nasiko_queue_run_end's rule (migration 0013),
--- decided once on the row this statement updates. Returns the state written
--- (no row: no longer ours).
+-- The run of job $1 that claim $2 (its token) started crashed (raised, timed
+-- out, or no executor here): available again in $3 seconds, or discarded when it
+-- was the last attempt, or cancelled when a cancel was asked for meanwhile (as
+-- the rescue does); $4 the error, one line. Which of the three is
+-- nasiko_queue_run_end's rule (migration 0013), decided once on the row this
+-- statement updates. Returns the state written (no row: no longer ours: the
+-- token, not the attempt, says so; see plain_finish_many_and_claim).
 UPDATE nasiko_queue_jobs
 SET (state, run_at, finished_at, claimed_by) = (
         SELECT e.state,
@@ -1170,17 +1213,18 @@ SET (state, run_at, finished_at, claimed_by) = (
         FROM nasiko_queue_run_end(cancel_requested, attempt >= max_attempts) AS e(state)),
     claim_token = NULL,
     error_msg = $4
-WHERE id = $1 AND attempt = $2 AND state = 'running'
+WHERE id = $1 AND claim_token = $2 AND state = 'running'
 RETURNING state;
 
 -- name: plain_defer
--- Run $2 of job $1 never started: this worker has no executor for its kind (a
--- rolling deploy). Available again in $3 seconds with its attempt restored, and
--- with it attempted_at (as plain_unclaim), so that a job is never discarded for
--- that alone, whatever its max_attempts; $4 the error, one line. Cancelled
--- instead when a cancel was asked for (nasiko_queue_run_end's rule). $5: the
--- worker the claim named (as plain_unclaim). Returns the state written (no
--- row: no longer ours).
+-- The run of job $1 that claim $2 (its token) took never started: this worker
+-- has no executor for its kind (a rolling deploy). Available again in $3 seconds
+-- with its attempt restored, and with it attempted_at (as plain_unclaim), so
+-- that a job is never discarded for that alone, whatever its max_attempts; $4
+-- the error, one line. Cancelled instead when a cancel was asked for
+-- (nasiko_queue_run_end's rule). Returns the state written (no row: no longer
+-- ours). The restored attempt is why the claim is named by its token: the next
+-- claim counts the same attempt again.
 UPDATE nasiko_queue_jobs
 SET (state, run_at, finished_at, error_msg) = (
         SELECT e.state,
@@ -1191,22 +1235,30 @@ SET (state, run_at, finished_at, error_msg) = (
         FROM nasiko_queue_run_end(cancel_requested, false) AS e(state)),
     attempt = attempt - 1, attempted_at = previous_attempted_at,
     claimed_by = NULL, claim_token = NULL
-WHERE id = $1 AND attempt = $2 AND state = 'running'
-  AND claimed_by IS NOT DISTINCT FROM $5::uuid
+WHERE id = $1 AND claim_token = $2 AND state = 'running'
 RETURNING state;
 
 -- name: plain_end
--- Run $2 of job $1 ends for good in state $3 ('discarded': its payload is not
--- one, or it is past its attempts; 'cancelled': stopped at a cancel's request),
--- with error $4.
+-- The run of job $1 that claim $2 (its token) started ends for good in state $3
+-- ('discarded': its payload is not one, it is past its attempts, or its outcome
+-- cannot be recorded; 'cancelled': stopped at a cancel's request), with error
+-- $4. A discard of a job whose cancel was asked for meanwhile ends it
+-- `cancelled` (error 'cancelled') instead: a run that does not complete ends by
+-- nasiko_queue_run_end's rule (migration 0013), where a cancel wins, as in
+-- plain_retry and the rescue. Returns the state written (no row: no longer
+-- ours).
 UPDATE nasiko_queue_jobs
-SET state = $3, finished_at = now(), claim_token = NULL, error_msg = $4
-WHERE id = $1 AND attempt = $2 AND state = 'running'
+SET (state, error_msg) = (
+        SELECT e.state, CASE WHEN e.state = 'cancelled' THEN 'cancelled' ELSE $4 END
+        FROM nasiko_queue_run_end(cancel_requested OR $3 = 'cancelled', true) AS e(state)),
+    finished_at = now(), claim_token = NULL
+WHERE id = $1 AND claim_token = $2 AND state = 'running'
 RETURNING state;
 
 -- name: plain_reset
--- A hard stop or the fence cut run $2 of job $1: available again at once, the
--- attempt counted; or cancelled, when a cancel was asked for meanwhile
+-- A hard stop or the fence cut the run of job $1 that claim $2 (its token)
+-- started: available again at once, the attempt counted; or cancelled, when a
+-- cancel was asked for meanwhile
 -- (nasiko_queue_run_end's rule; a cut run is never its attempt's last word, so
 -- never discarded here: the claim after the last attempt discards it).
 UPDATE nasiko_queue_jobs
@@ -1217,15 +1269,18 @@ SET (state, finished_at, error_msg, claimed_by) = (
                CASE WHEN e.state <> 'available' THEN claimed_by END
         FROM nasiko_queue_run_end(cancel_requested, false) AS e(state)),
     claim_token = NULL
-WHERE id = $1 AND attempt = $2 AND state = 'running';
+WHERE id = $1 AND claim_token = $2 AND state = 'running';
 
 -- name: plain_unclaim
--- Claimed jobs that never started ($1 ids, $2 attempts, $3 the worker each
--- claim named, as jobs_unclaim's $4): the attempt restored,
--- and with it attempted_at (the claim kept the value it replaced, migration
--- 0025); available again, or cancelled when a cancel was asked for while the
--- job waited (nasiko_queue_run_end's rule: it ends without starting, not run
--- by the next claim).
+-- Claimed jobs that never started ($1 ids, $2 the token of each one's claim):
+-- the attempt restored, and with it attempted_at (the claim kept the value it
+-- replaced, migration 0025); available again, or cancelled when a cancel was
+-- asked for while the job waited (nasiko_queue_run_end's rule: it ends without
+-- starting, not run by the next claim). Named by the token, not the attempt:
+-- the give-back restores the attempt, so the next claim of the row counts the
+-- same attempt again, and a retried give-back whose first try committed
+-- unanswered must not match it (a worker that registered anew after the fence
+-- still names its old claims).
 UPDATE nasiko_queue_jobs AS j
 SET (state, finished_at, error_msg) = (
         SELECT e.state,
@@ -1234,9 +1289,8 @@ SET (state, finished_at, error_msg) = (
         FROM nasiko_queue_run_end(j.cancel_requested, false) AS e(state)),
     attempt = j.attempt - 1, attempted_at = j.previous_attempted_at,
     claimed_by = NULL, claim_token = NULL
-FROM unnest($1::uuid[], $2::int[], $3::uuid[]) AS i(id, attempt, holder)
-WHERE j.id = i.id AND j.state = 'running' AND j.attempt = i.attempt
-  AND j.claimed_by IS NOT DISTINCT FROM i.holder;
+FROM unnest($1::uuid[], $2::uuid[]) AS i(id, token)
+WHERE j.id = i.id AND j.state = 'running' AND j.claim_token = i.token;
 
 -- name: plain_unclaim_lost
 -- What a claim whose answer was lost took (token $1): the attempt and

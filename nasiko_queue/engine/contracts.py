@@ -47,6 +47,10 @@ class BuildReport(enum.StrEnum):
     FAILED = "failed"
 
 
+#: A claim as the worker's books key it (`ClaimedJob.claim`): id, attempt, token.
+ClaimKey = tuple[UUID, int, UUID | None]
+
+
 @attrs.frozen(kw_only=True)
 class ClaimedJob:
     """A job this worker has just claimed, as the claim returned it: a build job
@@ -72,10 +76,16 @@ class ClaimedJob:
     max_attempts: int | None = None
     priority: int = 0
     #: The worker the claim named (`claimed_by`; None for a tool with no worker
-    #: row). A give-back restores the attempt, so the next claim of the row has
-    #: the same attempt number: the give-back checks this too, and a worker
-    #: that registered anew after the fence still gives back its old claims.
+    #: row).
     claimed_by: UUID | None = None
+    #: The token the claim wrote on the row (`claim_token`), new for every claim
+    #: statement. Every write the worker makes to this claim names it: the
+    #: attempt alone cannot tell this run from a later one after a dead-letter
+    #: retry (attempts start from 0 again) or a give-back (the attempt is
+    #: restored, so the next claim has the same attempt number). A worker that
+    #: registered anew after the fence still names its old claims by their
+    #: tokens. None only for a job made by hand (a test of timer logic).
+    claim_token: UUID | None = None
 
     @property
     def order(self) -> tuple[int, datetime]:
@@ -84,8 +94,16 @@ class ClaimedJob:
 
     @property
     def attempt(self) -> int:
-        """The row's attempt now: which run this is (1-based) and our claim token."""
+        """The row's attempt now: which run this is (1-based)."""
         return self.old_attempt + 1
+
+    @property
+    def claim(self) -> ClaimKey:
+        """This claim, in the worker's own books (`WorkerState.job_scopes`,
+        `cancels`): one worker may hold two claims of one job at once, of the
+        same attempt even (a fenced run still unwinding, and the claim its new
+        identity made after an operator's retry)."""
+        return (self.id, self.attempt, self.claim_token)
 
     @property
     def is_connector_job(self) -> bool:

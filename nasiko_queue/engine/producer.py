@@ -282,7 +282,7 @@ class Producer:
         for job in jobs:
             # A cancel mark of a buffered job is spent: the give-back ends it
             # cancelled (plain_unclaim), and no slot will run this claim.
-            state.cancels.discard((job.id, job.attempt))
+            state.cancels.discard(job.claim)
         # Retried until it lands, as the other final writes are: while this
         # worker lives, no rescue or sweep takes its rows, so a give-back
         # dropped on one failure left its jobs running unstarted for the

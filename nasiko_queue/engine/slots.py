@@ -216,10 +216,9 @@ class Slots(abc.ABC, Generic[S]):
             # A run the fence stopped (it began before the fence) has ended: its
             # job is back. Once all have, the look-ahead claims again.
             state.fence_settling -= 1
-        # The run is over: a cancel mark of its claim is stale (one
-        # delivered as it crashed would else stop the job's next run
-        # of the same attempt number, after a dead-letter retry).
-        state.cancels.discard((job.id, job.attempt))
+        # The run is over: a cancel mark of its claim is spent (a later
+        # claim of the job, after a dead-letter retry, has a token of its own).
+        state.cancels.discard(job.claim)
         if state.look_ahead is not None:  # "auto": its size follows
             state.look_ahead.observe(trio.current_time() - took)
         if finish is not None:
@@ -308,7 +307,7 @@ class Slots(abc.ABC, Generic[S]):
         started = trio.current_time()
         # Per claim, not per job: a crashed run's reset commits before this run's
         # bookkeeping ends, and another slot may already be running the job again.
-        claim = (job.id, job.attempt)
+        claim = job.claim
         if self.state.fenced or claim in self.state.cancels:
             # The fence (or a cancel request) came while the job was being
             # prepared, or waited in the buffer: it never starts.
@@ -358,7 +357,7 @@ class Slots(abc.ABC, Generic[S]):
             raise rest
         # Cut short: by its limit, unless the fence or a cancel request did (they
         # win, as when they were scopes of their own).
-        stopped = self.state.fenced or (job.id, job.attempt) in self.state.cancels
+        stopped = self.state.fenced or job.claim in self.state.cancels
         if (not stopped and cut.limit is not None
                 and trio.current_time() >= cut.started + cut.limit):
             self.state.stats.timed_out += 1
@@ -394,7 +393,7 @@ class Slots(abc.ABC, Generic[S]):
         if not started:  # it never ran: given back as it was, attempt restored
             # (a job asked to stop ends cancelled there, never run: plain_unclaim)
             why = ("a cancel came before it started; ended cancelled"
-                   if (job.id, job.attempt) in self.state.cancels
+                   if job.claim in self.state.cancels
                    else "the fence came before it started; given back")
             with trio.CancelScope(shield=True):  # bounded by the store
                 try:

@@ -25,7 +25,7 @@ import attrs
 import trio
 
 from ..config import QueueConfig
-from .contracts import BuildReport, ClaimedJob, JobResult, LostClaim, Starting
+from .contracts import BuildReport, ClaimedJob, ClaimKey, JobResult, LostClaim, Starting
 from .lookahead import LookAhead
 from .retry import Budget
 
@@ -203,14 +203,15 @@ class WorkerState:
     #: is answered after the fence gives its jobs back instead of running them.
     fence_epoch: int = 0
     #: The cancel scope of each running job's executor (its slot's, while the
-    #: job runs), every lane's, by claim
-    #: (job id, attempt): two runs of one job may overlap in one worker for a
-    #: moment (a crashed run's reset commits, another slot claims it).
-    job_scopes: dict[tuple[UUID, int], trio.CancelScope] = attrs.Factory(dict)
+    #: job runs), every lane's, by claim (`ClaimedJob.claim`: job id, attempt,
+    #: token): two runs of one job may overlap in one worker for a moment (a
+    #: crashed run's reset commits, another slot claims it), of the same attempt
+    #: even (a fenced run unwinding, and a claim after an operator's retry).
+    job_scopes: dict[ClaimKey, trio.CancelScope] = attrs.Factory(dict)
     #: Claims whose run was asked to stop (a cancel of a plain job): their scope
     #: in `job_scopes` is cancelled (or, for a job still buffered, it never
     #: starts), and the run ends `cancelled`.
-    cancels: set[tuple[UUID, int]] = attrs.Factory(set)
+    cancels: set[ClaimKey] = attrs.Factory(set)
     #: Seconds each executor ran (every lane's), and from each job's becoming
     #: claimable (a build job's `created_at`, a plain job's `run_at`) to its claim.
     run_seconds: Timings = attrs.Factory(Timings)
@@ -350,11 +351,11 @@ class LaneState:
         return self.worker.fenced
 
     @property
-    def job_scopes(self) -> dict[tuple[UUID, int], trio.CancelScope]:
+    def job_scopes(self) -> dict[ClaimKey, trio.CancelScope]:
         return self.worker.job_scopes
 
     @property
-    def cancels(self) -> set[tuple[UUID, int]]:
+    def cancels(self) -> set[ClaimKey]:
         return self.worker.cancels
 
     @property

@@ -307,7 +307,7 @@ class Worker:
         for lane in self.lanes:
             for job, _claimed_at in lane.state.buffer:
                 if job.id in wanted:
-                    state.cancels.add((job.id, job.attempt))
+                    state.cancels.add(job.claim)
 
     # -- signals -----------------------------------------------------------
 

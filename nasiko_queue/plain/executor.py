@@ -140,7 +140,7 @@ class PlainJobExecutor(Slots[PlainJobStore]):
     async def on_fenced(self, job: ClaimedJob, label: str) -> bool:
         # A cancel request cancels the same scope as the fence; the fence wins
         # (the job is given back) when both came.
-        claim = (job.id, job.attempt)
+        claim = job.claim
         if claim not in self.state.cancels:
             return False
         self.state.cancels.discard(claim)
@@ -280,14 +280,16 @@ class PlainJobExecutor(Slots[PlainJobStore]):
             await self._tell_due(job)
 
     async def _discard(self, job: ClaimedJob, why: str) -> str | None:
-        return DISCARDED if await self.store.end(job, DISCARDED, why) else None
+        return await self.store.end(job, DISCARDED, why)
 
     async def _end(self, job: ClaimedJob, state: str, error: str | None) -> None:
         text = None if error is None else minimal_text(error)
-        if await self._final(job, "end", lambda: self.store.end(job, state, error),
-                             lambda: self.store.end(job, state, text),
-                             lambda why: self.store.end(job, DISCARDED, why)):
-            if state == CANCELLED:
-                self.state.stats.cancelled += 1
-            else:
-                self.state.stats.failed += 1
+        written = await self._final(job, "end", lambda: self.store.end(job, state, error),
+                                    lambda: self.store.end(job, state, text),
+                                    lambda why: self.store.end(job, DISCARDED, why))
+        if written == CANCELLED:
+            self.state.stats.cancelled += 1
+            if state != CANCELLED:
+                log.warning("job %s: cancelled (its cancel came before it ended)", job.id)
+        elif written is not None:
+            self.state.stats.failed += 1

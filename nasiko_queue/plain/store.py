@@ -3,9 +3,13 @@ Every transition of a plain job's row (`nasiko_queue_jobs`), for one queue.
 
 The worker runs one lane per queue (see `engine/lane.py`); a lane's producer,
 completer and slots talk to a `PlainJobStore` bound to its queue exactly as the
-build lane talks to `builds.store.PgJobStore`: the same claim tokens, the same guard on
-every write (`id`, `attempt`, `state = 'running'`), the same bounds on each
-statement. What differs is what an outcome means: a return completes the job, a
+build lane talks to `builds.store.PgJobStore`: the same claim tokens, the same
+bounds on each statement. Every write to a claimed job is guarded by the claim
+itself: its token (`id`, `claim_token`, `state = 'running'`), which every claim
+sets anew and the rescue, the sweep, a give-back and the dead-letter retry
+clear. The attempt is no guard: the dead-letter retry counts attempts from 0
+again, so a frozen worker's run and the run after the retry can share one.
+What differs is what an outcome means: a return completes the job, a
 crash makes it available again after its backoff, or discards it when that was
 its last attempt.
 """
@@ -44,7 +48,7 @@ DISCARDED = "discarded"
 CANCELLED = "cancelled"
 
 
-def _claimed(row: asyncpg.Record, queue: str, worker: UUID | None) -> ClaimedJob:
+def _claimed(row: asyncpg.Record, queue: str, worker: UUID | None, token: UUID) -> ClaimedJob:
     due: datetime = row["created_at"]  # its run_at
     if due.tzinfo is None:
         # -infinity, which asyncpg reads as a naive datetime.min (a row written
@@ -54,7 +58,7 @@ def _claimed(row: asyncpg.Record, queue: str, worker: UUID | None) -> ClaimedJob
                       payload=row["payload"], old_attempt=row["old_attempt"],
                       created_at=due, kind=row["kind"],
                       max_attempts=row["max_attempts"], priority=row["priority"], queue=queue,
-                      claimed_by=worker)
+                      claimed_by=worker, claim_token=token)
 
 
 class PlainJobStore:
@@ -83,10 +87,10 @@ class PlainJobStore:
         """Claim up to `limit` due jobs of the queue, by priority then due time."""
         token, worker = uuid.uuid4(), self._worker_id()
         args = (self.queue, limit, token, worker,
-                self._config.max_payload_bytes, list[UUID](), list[int]())
+                self._config.max_payload_bytes, list[UUID](), list[UUID]())
         rows = await fetch_claiming(self._db, self._claim_sql, args, token=token, claims=True,
                                     bound=self._bound)
-        jobs = [_claimed(row, self.queue, worker) for row in rows]
+        jobs = [_claimed(row, self.queue, worker, token) for row in rows]
         jobs.sort(key=lambda j: j.order)
         return jobs
 
@@ -100,9 +104,9 @@ class PlainJobStore:
         returned (`JobResult`) is written as the job's result.
         """
         token, worker = uuid.uuid4(), self._worker_id()
-        ids, attempts = [j.id for j, _, _ in finishing], [j.attempt for j, _, _ in finishing]
-        args = (ids, attempts, self.queue, limit, token, worker,
-                self._config.max_payload_bytes, ids, attempts,
+        ids, tokens = [j.id for j, _, _ in finishing], [j.claim_token for j, _, _ in finishing]
+        args = (ids, tokens, self.queue, limit, token, worker,
+                self._config.max_payload_bytes, ids, tokens,
                 [r.json if isinstance(r, JobResult) else None for _, _, r in finishing])
         rows = await fetch_claiming(self._db, Q.plain_finish_many_and_claim, args, token=token,
                                     claims=limit > 0, bound=self._bound)
@@ -113,7 +117,7 @@ class PlainJobStore:
                 done = row["finished_status"] == "completed"
                 statuses[row["finished_id"]] = JobStatus.DONE if done else None
             else:
-                claimed.append(_claimed(row, self.queue, worker))
+                claimed.append(_claimed(row, self.queue, worker, token))
         claimed.sort(key=lambda j: j.order)
         return statuses, claimed
 
@@ -134,7 +138,7 @@ class PlainJobStore:
         """Claimed jobs that never started: available again, attempts restored."""
         if not jobs:
             return 0
-        args = ([j.id for j in jobs], [j.attempt for j in jobs], [j.claimed_by for j in jobs])
+        args = ([j.id for j in jobs], [j.claim_token for j in jobs])
         status = await self._db.run_bounded(
             lambda conn: conn.execute(Q.plain_unclaim, *args, timeout=self._bound),
             bound=self._bound, generic=True)
@@ -152,7 +156,7 @@ class PlainJobStore:
         was the job's last attempt. Returns the state written; None when the
         job is no longer ours.
         """
-        args = (job.id, job.attempt, delay, storable(error))
+        args = (job.id, job.claim_token, delay, storable(error))
         state: str | None = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_retry, *args, timeout=self._bound),
             bound=self._bound)
@@ -164,29 +168,35 @@ class PlainJobStore:
         seconds, its attempt not counted (it never ran); cancelled when a cancel
         was asked for. Returns the state written; None when no longer ours.
         """
-        args = (job.id, job.attempt, delay, storable(error), job.claimed_by)
+        args = (job.id, job.claim_token, delay, storable(error))
         state: str | None = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_defer, *args, timeout=self._bound),
             bound=self._bound)
         return state
 
-    async def end(self, job: ClaimedJob, state: str, error: str | None) -> bool:
-        """End the run for good: `DISCARDED` or `CANCELLED`; False if no longer ours."""
-        args = (job.id, job.attempt, state, None if error is None else storable(error))
-        written = await self._db.run_bounded(
+    async def end(self, job: ClaimedJob, state: str, error: str | None) -> str | None:
+        """
+        End the run for good: `DISCARDED` or `CANCELLED`. Returns the state
+        written: `CANCELLED` for a discard of a job whose cancel was asked for
+        meanwhile (the cancel wins, as for a crash); None if no longer ours.
+        """
+        args = (job.id, job.claim_token, state, None if error is None else storable(error))
+        written: str | None = await self._db.run_bounded(
             lambda conn: conn.fetchval(Q.plain_end, *args, timeout=self._bound),
             bound=self._bound)
-        return written is not None
+        return written
 
     async def discard_unrecorded(self, job: ClaimedJob, why: str) -> bool:
         """A finish the database refused on its merits, alone too: discarded with
-        `why` ("could not record the outcome: ..."); False if no longer ours."""
-        return await self.end(job, DISCARDED, why)
+        `why` ("could not record the outcome: ..."), or cancelled if its cancel
+        was asked for; False if no longer ours."""
+        return await self.end(job, DISCARDED, why) is not None
 
     async def reset(self, job: ClaimedJob) -> bool:
         """A hard stop or the fence cut the run: available again, attempt counted."""
         status = await self._db.run_bounded(
-            lambda conn: conn.execute(Q.plain_reset, job.id, job.attempt, timeout=self._bound),
+            lambda conn: conn.execute(Q.plain_reset, job.id, job.claim_token,
+                                      timeout=self._bound),
             bound=self._bound)
         if status.endswith(" 0"):
             return False

@@ -55,7 +55,7 @@ from ..builds.store import PgJobStore
 from ..config import QueueConfig
 from ..db.database import Database
 from ..db.statements import Q
-from ..engine.contracts import WorkerIdentity
+from ..engine.contracts import ClaimedJob, JobResult, WorkerIdentity
 from ..engine.state import WorkerStats
 from ..engine.worker import Worker
 from ..executors import Executors, PlainJobContext
@@ -68,6 +68,7 @@ from .plain_model import (
     AVAILABLE,
     CANCELLED,
     DISCARDED,
+    RUNNING,
     TICK,
     WAITING_OR_RUNNING,
     OnHang,
@@ -380,6 +381,9 @@ class PlainStateMachine(DatabaseMachine):
         self.executors = plain_executors(self.world)
         self.model = PlainModel()
         self.dead: dict[UUID, PgJobStore] = {}
+        #: The claims of the workers that died (`worker_dies`), with the worker:
+        #: each may be a frozen process that resumes (`frozen_worker_resumes`).
+        self.frozen: list[tuple[ClaimedJob, UUID]] = []
         self.cancelled_runs: dict[UUID, int] = {}
         self.rescuer = PgJobStore(self.env.db, self.config, runnable_kinds=frozenset(),
                                   known_kinds=frozenset())
@@ -561,17 +565,21 @@ class PlainStateMachine(DatabaseMachine):
         cancelled); it is refused, and nothing changes, while another job holds
         its unique key.
         """
-        job_id = data.draw(st.sampled_from(self._dead()), label="job")
+        self._retry_dead(data.draw(st.sampled_from(self._dead()), label="job"))
+
+    def _retry_dead(self, job_id: UUID) -> bool:
+        """The dead-letter retry of `job_id`; False when refused (its key is held)."""
         job = self.model.jobs[job_id]
         held = job.unique_key is not None and self.model.holder_of(job.unique_key) is not None
         try:
             self._call(job_admin.retry, self.env.db, job_id)
         except job_admin.JobRefused:
             assert held, f"the retry of {job_id} was refused though its key is free"
-            return
+            return False
         assert not held, f"the retry of {job_id} took a key another job holds"
         self.model.retry_dead(job_id)
         self.cancelled_runs.pop(job_id, None)  # it may run again, until cancelled again
+        return True
 
     # -- rules: workers ------------------------------------------------------------------
 
@@ -721,7 +729,64 @@ class PlainStateMachine(DatabaseMachine):
         identity = await self._doomed_worker()
         plain = PlainJobStore(self.env.db, self.config, QUEUE, lambda: identity)
         jobs = await plain.claim(1)
+        if jobs:
+            self.frozen.append((jobs[0], identity))
         return jobs[0].id if jobs else None
+
+    def _thawable(self) -> list[int]:
+        """The frozen claims no longer current: their job was handed on."""
+        return [i for i, (claim, holder) in enumerate(self.frozen)
+                if not (self.model.jobs[claim.id].state == RUNNING
+                        and self.model.jobs[claim.id].holder == holder)]
+
+    @precondition(lambda self: self.model.next_due(QUEUE) is not None)
+    @rule()
+    def frozen_worker_resumes_after_a_retry(self) -> None:
+        """
+        The scenario of issue #45, in one step: a worker claims the next due job
+        and freezes; the job is cancelled and the rescue ends it; an operator
+        retries it (attempts from 0); another worker claims the next due job
+        (this one again, when it is due first: attempt 1 again) and dies. The
+        frozen worker resumes: its stale claim writes nothing.
+        """
+        self.worker_dies(cancelled=True, rescued=True)
+        claim, holder = self.frozen[-1]
+        if self._retry_dead(claim.id):
+            self.worker_dies(cancelled=False, rescued=False)
+        self.frozen.remove((claim, holder))
+        wrote = self._call(self._stale_writes, claim, holder)
+        assert wrote == [], f"the stale claim of {claim.id} wrote: {wrote}"
+
+    @precondition(lambda self: bool(self._thawable()))
+    @rule(data=st.data())
+    def frozen_worker_resumes(self, data: st.DataObject) -> None:
+        """
+        A worker of `worker_dies` was frozen (SIGSTOP), not dead, and resumes
+        once its claim was handed on: rescued, perhaps retried by an operator
+        and claimed again, of the same attempt (issue #45). Every write of its
+        stale claim (its fence's reset, the finish of a run that returned, a
+        crash's retry, an end, a give-back) must change nothing.
+        """
+        i = data.draw(st.sampled_from(self._thawable()), label="frozen claim")
+        claim, holder = self.frozen.pop(i)
+        wrote = self._call(self._stale_writes, claim, holder)
+        assert wrote == [], f"the stale claim of {claim.id} wrote: {wrote}"
+
+    async def _stale_writes(self, claim: ClaimedJob, holder: UUID) -> list[str]:
+        store = PlainJobStore(self.env.db, self.config, QUEUE, lambda: holder)
+        wrote = []
+        if await store.reset(claim):
+            wrote.append("reset")
+        statuses, _ = await store.finish_many_and_claim([(claim, None, JobResult("1"))], 0)
+        if statuses.get(claim.id) is not None:
+            wrote.append("finish")
+        if await store.retry(claim, 0.0, "stale") is not None:
+            wrote.append("retry")
+        if await store.end(claim, DISCARDED, "stale") is not None:
+            wrote.append("end")
+        if await store.unclaim([claim]):
+            wrote.append("give-back")
+        return wrote
 
     async def _doomed_worker(self) -> UUID:
         """A registered worker that will die: its id (claims may name it)."""
