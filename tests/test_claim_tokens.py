@@ -198,6 +198,25 @@ async def test_a_limited_queue_frees_no_slot_for_a_stale_finish(queue: Queue) ->
     assert len(claimed) == 1
 
 
+async def test_the_limited_pick_rechecks_a_finishing_claim_by_its_token(queue: Queue) -> None:
+    """Under the queue's lock the pick re-checks which finishing jobs still run
+    the claim that finishes (migration 0036). By attempt (0035's form) a stale
+    finish of the same job and attempt as the live run, seen as live when its
+    statement began (the rescue, the retry and the new claim committing while
+    it waited for the lock), freed the live run's slot; by token it frees none."""
+    await queue.set_limit("tokens", concurrency=1)
+    _store, stale, live = await _stale_and_live(queue)
+    await queue.enqueue(Once(n=2))
+    pick = ("SELECT nasiko_queue_limited_pick('tokens', 1, ARRAY[$1::uuid], ARRAY[$2::uuid], "
+            "pg_current_snapshot())")
+    # A concurrency limit alone: the pick only answers (it writes no start).
+    assert await queue.db.fetchval(pick, stale.id, stale.claim_token) == []
+    assert len(await queue.db.fetchval(pick, live.id, live.claim_token)) == 1
+    by_attempt = pick.replace("ARRAY[$2::uuid]", "ARRAY[$2::integer]")
+    # 0035's form: the stale finish freed the slot.
+    assert len(await queue.db.fetchval(by_attempt, stale.id, stale.attempt)) == 1
+
+
 async def test_a_new_claim_of_a_job_always_has_a_token_of_its_own(queue: Queue) -> None:
     """Every claim statement writes a token of its own: a give-back restores the
     attempt, and the next claim of the row (the same attempt again) is told

@@ -1276,3 +1276,31 @@ async def test_a_cancel_that_the_server_aborts_for_a_deadlock_is_run_again(dsn: 
                 # ...and, completing the child, wants its parent, which the cancel holds.
                 await ending.execute(END_STEP_JOB, child_id, "completed", None)
     assert answers in (["cancelled"], ["already completed"])
+
+
+async def test_a_step_is_given_only_its_own_dependencies_results(queue: Queue) -> None:
+    """The worker parses a large dependency result once per run and shares it
+    (`ResultCache`); a step that does not depend on it must not see it (review of
+    issue #45: every held result was merged into every step's `ctx.results`)."""
+    wf = Workflow("held_results")
+    seen: dict[str, list[str]] = {}
+
+    @wf.step()
+    async def big(ctx: StepContext) -> list[str]:
+        return ["x" * 100] * 400  # about 40 kB of JSON: held parsed by the worker
+
+    @wf.step(after=[big])
+    async def uses_big(ctx: StepContext) -> int:
+        seen["uses_big"] = sorted(ctx.results)
+        return len(ctx.results["big"])
+
+    @wf.step(after=[uses_big])
+    async def after_that(ctx: StepContext) -> int:
+        seen["after_that"] = sorted(ctx.results)
+        return 1
+
+    run_id = await queue.start(wf)
+    async with running(queue, executors_for(wf)):
+        with trio.fail_after(TEST_DEADLINE):
+            assert await queue.run_result(run_id) == 1
+    assert seen == {"uses_big": ["big"], "after_that": ["uses_big"]}

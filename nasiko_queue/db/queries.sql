@@ -1104,12 +1104,10 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted;
 -- instead, which serialises the queue's claims across replicas and takes no
 -- more than its concurrency and rate limits allow; $6 and $7: the running jobs
 -- the same statement completes and their claim tokens. Each frees its slot only
--- while its row still holds that claim: the pick is told the ids and attempts
--- of those whose token the row still carries (read here, in the statement's
--- snapshot, where this statement's finish holds the row of each it completes),
--- and re-checks the attempt once it holds the queue's lock (migration 0026). A
--- late finish of a job claimed again elsewhere frees none, whatever attempt
--- the new claim counts (after an operator's retry it is the same number). The
+-- while its row still holds that claim, which the pick checks once it holds
+-- the queue's lock (migration 0036): a late finish of a job claimed again
+-- elsewhere frees none, whatever attempt the new claim counts (after an
+-- operator's retry it is the same number). The
 -- scalar subquery makes its answer an init plan, computed once, so the id
 -- lookup stays an index scan. It is given this statement's snapshot, and picks
 -- only jobs this UPDATE can see (0035: a job committed while the pick waited
@@ -1119,14 +1117,9 @@ UPDATE nasiko_queue_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, attempted_at = now(),
     previous_attempted_at = j.attempted_at, claim_token = $3, claimed_by = $4
 WHERE j.id = ANY (CASE WHEN EXISTS (SELECT 1 FROM nasiko_queue_limits WHERE queue = $1)
-                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer,
-                                                                coalesce(f.ids, '{}'),
-                                                                coalesce(f.attempts, '{}'),
-                                                                pg_current_snapshot())
-                             FROM (SELECT array_agg(r.id) AS ids, array_agg(r.attempt) AS attempts
-                                   FROM unnest($6::uuid[], $7::uuid[]) AS e(id, token)
-                                   JOIN nasiko_queue_jobs AS r
-                                        ON r.id = e.id AND r.claim_token = e.token) AS f)
+                       THEN (SELECT nasiko_queue_limited_pick($1, $2::integer, $6::uuid[],
+                                                                $7::uuid[],
+                                                                pg_current_snapshot()))
                        ELSE ARRAY(
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM nasiko_queue_jobs
@@ -2182,6 +2175,9 @@ SELECT d.state,
                  FROM jsonb_array_elements_text(d.sdef -> 'after') AS a
                  WHERE a <> ALL (coalesce($5::text[], '{}'))), '{}')::text
            AS results,
+       -- The dependencies' names, by the run's definition: of the results the
+       -- worker holds, the step is given these only.
+       coalesce(d.sdef -> 'after', '[]')::text AS after,
        -- Its own element, kept on its row (0033); a fan-out started before
        -- that reads it from the list.
        CASE WHEN d.sdef ->> 'map_over' IS NOT NULL

@@ -158,7 +158,10 @@ def step_executor(wf: Workflow, step: Step, cache: ResultCache | None = None) ->
         results, texts = _split_results(row["results"] or "{}")
         cache.keep(run_id, texts, results)
         if held:
-            results = {**results, **held}
+            # The worker may hold large results of other steps of the run too:
+            # a step is given its own dependencies' only.
+            deps = set(json.loads(row["after"]))
+            results = {**results, **{name: v for name, v in held.items() if name in deps}}
         sctx = StepContext(run_id=run_id, step=args.step, input=value,
                            results=results,
                            item=_loads(row["item"]) if mapped else None,
