@@ -210,16 +210,18 @@ async def test_a_runs_failure_reaches_a_step_whose_claim_is_in_flight(db: Databa
     assert (view.state, view.failed_step, view.step("a").state, view.step("b").state) == (
         "failed", "a", "failed", "cancelled")
 
-async def test_an_aio_cancel_the_server_aborts_for_a_deadlock_is_run_again(
+async def test_an_aio_cancel_meeting_a_parents_cancel_makes_no_deadlock(
     db: Database, dsn: str
 ) -> None:
     """
     Suspicion of issue #45: cancelling a child run's step job locks the job, the
     child run (its trigger) and then the parent (the child's cancel reaches it);
     a parent's cancel locks the parent and then the child. Met head on, the
-    server aborts one: the trio API runs its side again (`retry_conflicts`),
-    `aio.cancel` raised DeadlockDetectedError. It is run again now, in a
-    savepoint of the caller's transaction when there is one.
+    server aborted one, and `aio.cancel` raised DeadlockDetectedError. Since
+    migration 0037 the child's end takes its parent's row only if it is free
+    (held, the parent is left to the transition service), so the cycle never
+    forms: both cancels answer. (`aio.cancel` still runs a deadlocked try again,
+    in a savepoint, for any cycle an application's own locks might make.)
 
     Deterministic: the aio cancel is held (the child's end-of-run lock, taken
     by the test) once it has locked the job and the child; the parent's cancel
@@ -282,12 +284,10 @@ async def test_an_aio_cancel_the_server_aborts_for_a_deadlock_is_run_again(
                 inner.start_soon(cancel_parent)
                 # The parent's cancel reaches the child run, which the aio cancel holds.
                 await _blocked_by(db, aio_pid)
-                # Released on leaving: the aio cancel wants the parent, a cycle; the
-                # server aborts the aio cancel, and the parent's cancel ends.
-            # The parent's cancel commits; the aio cancel, run again, finds the job
-            # cancelled by it.
+                # Released on leaving: the aio cancel finds the parent's row held,
+                # leaves the parent due and commits; the parent's cancel then ends.
     assert answers == ["cancelled"]
-    assert outcomes == [CancelResult.ALREADY_CANCELLED]
+    assert outcomes == [CancelResult.CANCELLED]
     view = await queue.run(child_id)
     assert view is not None
     assert view.state == "cancelled"

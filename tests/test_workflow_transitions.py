@@ -331,3 +331,51 @@ async def test_a_mapped_step_whose_items_all_completed_joins_with_their_results(
     assert [(s.index, s.state, s.result) for s in view.steps if s.step == "work"] == [
         (-1, "completed", [10, 11]), (0, "completed", 10), (1, "completed", 11)]
     assert view.step("join").state == "enqueued"
+
+
+async def test_a_runs_failure_stops_a_large_fan_out_a_piece_at_a_time(db: Database) -> None:
+    """
+    A step out of attempts fails its run, and the run's end stops every step it
+    has not finished. That stop ran whole inside the failing step's finish: for
+    a 100,000-item fan-out, a statement cut by `cleanup_timeout` on every try,
+    as the fan-out itself was before 0033 (review of issue #45). The end marks
+    the run failed and stops a piece at once (100 steps, in the finish); the
+    transition service stops the rest a piece per transaction (migration 0037).
+    Nothing runs meanwhile, and at the end every item's job is cancelled.
+    """
+    items = 2_500
+    queue = Queue(db, config=FAST, secrets=MASTER_KEY)
+    wf = _plan_workflow("failing", items)
+    run_id = await queue.start(wf, None)
+    plan = await db.fetchval("SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1", run_id)
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'running' WHERE id = $1", plan)
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'completed', "
+                     "result = (SELECT jsonb_agg(g) FROM generate_series(0, $2 - 1) g) "
+                     "WHERE id = $1", plan, items)
+    service = TransitionService(db, TransitionConfig(piece=1000))
+    assert await service.drain() == 3  # every item enqueued
+    assert await _item_jobs(db, run_id) == items
+    live = ("SELECT count(*) FROM nasiko_queue_workflow_steps WHERE run_id = $1 "
+            "AND step = 'work' AND idx >= 0 AND state = 'enqueued'")
+    # Item 7 runs out of attempts: its discard, one statement, fails the run.
+    item7 = await db.fetchval("SELECT id FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+                              "AND payload ->> 'step' = 'work' AND payload ->> 'idx' = '7'",
+                              run_id)
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'running' WHERE id = $1", item7)
+    await db.execute("UPDATE nasiko_queue_jobs SET state = 'discarded', error_msg = 'boom' "
+                     "WHERE id = $1", item7)
+    assert await db.fetchval("SELECT state FROM nasiko_queue_workflow_runs WHERE id = $1",
+                             run_id) == "failed"
+    # That statement stopped a piece (the head and 99 items, at most 100 rows).
+    assert items - 1 - await _count(db, live, run_id) <= 100
+    assert await _count(db, "SELECT count(*) FROM nasiko_queue_workflow_due "
+                            "WHERE run_id = $1", run_id) == 1
+    # The service stops the rest, a piece per transaction.
+    assert await service.drain() == 3
+    assert await _count(db, live, run_id) == 0
+    assert await _count(db, "SELECT count(*) FROM nasiko_queue_workflow_due "
+                            "WHERE run_id = $1", run_id) == 0
+    states = {r["state"]: r["n"] for r in await db.fetch(
+        "SELECT state, count(*) AS n FROM nasiko_queue_jobs WHERE workflow_run = $1 "
+        "AND payload ->> 'step' = 'work' GROUP BY state", run_id)}
+    assert states == {"discarded": 1, "cancelled": items - 1}

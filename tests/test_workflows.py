@@ -1304,3 +1304,42 @@ async def test_a_step_is_given_only_its_own_dependencies_results(queue: Queue) -
         with trio.fail_after(TEST_DEADLINE):
             assert await queue.run_result(run_id) == 1
     assert seen == {"uses_big": ["big"], "after_that": ["uses_big"]}
+
+
+@pytest.mark.parametrize("end", ["discarded", "cancel"])
+async def test_a_childs_end_never_waits_for_its_parents_row(queue: Queue, end: str) -> None:
+    """
+    A child run's failure (its step discarded, in a worker's finish) or cancel
+    ended the parent's waiting step with the parent's row taken FOR UPDATE: it
+    waited for whoever held the parent (the transition service on a piece of
+    the parent's fan-out; an application cancelling the parent, which then locks
+    the child: a deadlock). Review of issue #45; migration 0037: with the
+    parent's row held, the child's end commits at once and leaves the parent
+    due; the transition service then fails (or cancels) the parent.
+    """
+    calls: list[str] = []
+    parent = Workflow("holder")
+    parent.child("sub", _two_step_child(calls))
+    run_id = await queue.start(parent)
+    view = await queue.run(run_id)
+    assert view is not None
+    child_id = view.step("sub").child_run
+    assert child_id is not None
+    async with queue.db.transaction() as holding:
+        await holding.execute("SELECT 1 FROM nasiko_queue_workflow_runs WHERE id = $1 "
+                              "FOR UPDATE", run_id)
+        # On another connection, bounded: before 0037 it waited for `holding`.
+        async with queue.db.transaction() as child_end:
+            await child_end.execute("SET LOCAL lock_timeout = '2s'")
+            if end == "discarded":
+                await child_end.execute(END_STEP_JOB, child_id, "discarded", "ValueError: x")
+            else:
+                assert await child_end.fetchval("SELECT nasiko_queue_workflow_cancel($1)",
+                                                child_id) == "cancelled"
+    assert await queue.db.fetchval("SELECT state FROM nasiko_queue_workflow_runs "
+                                   "WHERE id = $1", run_id) == "running"
+    service = TransitionService(queue.db, TransitionConfig(piece=1000))
+    assert await service.drain() >= 1
+    view = await queue.run(run_id)
+    assert view is not None
+    assert view.state == ("failed" if end == "discarded" else "cancelled")
