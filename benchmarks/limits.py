@@ -47,7 +47,7 @@ BACKLOG = 60_000
 #: The probe a claim of an unlimited queue pays since issue #23, cut out of the
 #: statement for the "before #23" variant.
 _PROBE = re.compile(r"CASE WHEN EXISTS \(SELECT 1 FROM nasiko_queue_limits WHERE queue = \$3\)"
-                    r"\s+THEN \(SELECT nasiko_queue_limited_pick\(.*?\) AS f\)\s+ELSE ARRAY\(",
+                    r"\s+THEN \(SELECT nasiko_queue_limited_pick\(.*?\)\)\s+ELSE ARRAY\(",
                     re.DOTALL)
 
 

@@ -13,7 +13,9 @@ interval; while it ticks, the thread does nothing. When the loop has not ticked
 for a heartbeat interval, the thread renews the worker's row itself, on a
 connection of its own (asyncpg on an asyncio loop in that thread), so that the
 process keeps its lease while it lives, and logs which job blocked the loop,
-where, for how long, and the fix. The heartbeat's fence asks it, before stopping
+where, for how long, and the fix. Only an executor's blocking call is covered
+(the loop thread's stack runs through a slot's `run_guarded`): a loop held by
+other code keeps no lease, as before. The heartbeat's fence asks it, before stopping
 the worker's jobs, whether a renewal landed meanwhile.
 
 What it does not change: a process that is gone (killed, its host lost) stops
@@ -115,12 +117,19 @@ class LoopWatch:
                         log.warning("the event loop is free again after %.1fs", stalled)
                     blocked_since = None
                     continue
+                job, where = _blocker(sys._current_frames().get(self._loop_thread or -1))
+                if job is None:
+                    # Not an executor's blocking call (the loop is held by other
+                    # code: the application's, a test harness's): not the watch's
+                    # to cover, the lease runs as it would.
+                    blocked_since = None
+                    continue
                 if blocked_since is None:
                     blocked_since, reported_at = self._ticked, 0.0
                 self._renew()
                 if now - reported_at >= REPORT_EVERY or reported_at == 0.0:
                     reported_at = now
-                    self._report(now - blocked_since)
+                    self._report(now - blocked_since, job, where)
         finally:
             self._close()
 
@@ -163,10 +172,8 @@ class LoopWatch:
             self._aio.close()
             self._aio = None
 
-    def _report(self, blocked_for: float) -> None:
-        frame = sys._current_frames().get(self._loop_thread or -1)
-        job, where = _blocker(frame)
-        what = "the job running on it" if job is None else f"job {job}"
+    def _report(self, blocked_for: float, job: str, where: str | None) -> None:
+        what = f"job {job}"
         log.warning(
             "the event loop has been blocked for %.1fs by %s%s: blocking code in an async "
             "def executor holds every other job, the heartbeat and the claims. Make the "
