@@ -269,3 +269,30 @@ def test_is_async_callable_sees_through_partials_and_call_methods() -> None:
     assert all(threaded.is_async_callable(f) for f in checks)
     assert not threaded.is_async_callable(s)
     assert not threaded.is_async_callable(functools.partial(s))
+
+
+async def test_a_run_never_clears_a_stop_with_a_null_exception(
+    queue: Queue, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Regression: every def run ended with PyThreadState_SetAsyncExc(thread, NULL)
+    # to drop a stop that might be pending. On CPython 3.11 that call leaves the
+    # interpreter's async-exception flag set for good, and the whole process ran
+    # slower from then on (the state-machine hunts after this file went from 24 s
+    # to past their 300 s timeout). A pending stop is taken, never cleared.
+    sent: list[object] = []
+    real = threaded._set_async_exc
+    monkeypatch.setattr(threaded, "_set_async_exc",
+                        lambda thread, exc: (sent.append(exc), real(thread, exc))[1])
+    executors = Executors()
+
+    @executors.register(Thumbnail, timeout=0.2, backoff=no_backoff)
+    def make(ctx: PlainJobContext[Thumbnail]) -> int:
+        if ctx.attempt == 1:
+            busy_until(threading.Event())  # stopped by its timeout
+        return ctx.attempt
+
+    job_id = await queue.enqueue(Thumbnail(url="n"))
+    async with running(queue, executors) as worker:
+        await worker.wait_for(lambda s: s.done >= 1)
+    assert await plain_state(queue, job_id) == ("completed", 2, "2")
+    assert sent == [threaded.RunStopped]
