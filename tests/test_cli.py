@@ -975,6 +975,25 @@ def test_enqueue_writes_the_row_enqueue_writes_and_prints_its_id(
     assert first.stderr == ""
 
 
+def test_enqueue_with_a_registry_takes_the_types_options(runner: CliRunner, dsn: str) -> None:
+    """Regression (found by the README's quickstart test): with --executors, a job
+    went to queue 'default' although its type says `JobOptions(queue="pings")`, and
+    no worker of that type's queue ever ran it. The type's options apply, as in
+    `Queue.enqueue`; a flag given overrides them."""
+    registry = ("--executors", "tests.cli_executors:executors")
+    typed = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, *registry)
+    given = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, *registry,
+                   "--queue", "other", "--max-attempts", "2")
+    assert typed.exit_code == given.exit_code == 0, typed.output + given.output
+
+    def queue_of(job: str) -> Any:
+        return with_db(dsn, lambda db: db.fetchrow(
+            "SELECT queue, max_attempts FROM nasiko_queue_jobs WHERE id = $1", UUID(job)))
+
+    assert tuple(queue_of(typed.stdout.strip())) == ("pings", 20)
+    assert tuple(queue_of(given.stdout.strip())) == ("other", 2)
+
+
 def test_enqueue_refuses_a_kind_no_worker_would_run(runner: CliRunner, dsn: str) -> None:
     """A typo was given back every 15 s for ever (issue #46): refused, with the near miss."""
     registry = ("--executors", "tests.cli_executors:executors")

@@ -150,8 +150,9 @@ def test_notify_at_commit_and_not_on_rollback(dsn: str) -> None:
 
 
 def readme_trigger() -> str:
-    """The README's trigger example (its ```sql block marked ``-- readme: trigger``)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The docs' trigger example (its ```sql block marked ``-- readme: trigger``, in
+    docs/guides/clients.md)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "clients.md").read_text()
     [block] = re.findall(r"```sql\n\s*-- readme: trigger\n(.*?)```", text, flags=re.DOTALL)
     return textwrap.dedent(block)
 

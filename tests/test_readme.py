@@ -1,4 +1,5 @@
-"""The README's embedding example is code that runs, not prose that rots; and its links hold."""
+"""The examples of the README and of the documentation site (docs/) are code that
+runs, not prose that rots; and their links hold."""
 
 from __future__ import annotations
 
@@ -22,17 +23,30 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RULES = ROOT / "docs" / "rules.md"
 
+
+def documents() -> list[Path]:
+    """The README and every page of the documentation site: where examples live."""
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def documents_text() -> str:
+    return "\n".join(path.read_text() for path in documents())
+
 #: A mention of the behaviour contract this project was built from, which lives
 #: outside the repository: a reader who follows it finds nothing.
 _ABSENT_CONTRACT = re.compile(r"\bSPEC\b|shared/")
 
 
 def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    """Every python block of the README and the docs, but the quickstart's module
+    (tests/test_docs.py runs it as the file it is)."""
+    return [b for b in re.findall(r"```python\n(.*?)```", documents_text(), flags=re.DOTALL)
+            if not b.startswith("# quickstart: ")]
 
 
 def _block(marker: str) -> str:
-    """The README's python block whose first line is ``# readme: <marker>``."""
+    """The python block (of the README or a docs page) whose first line is
+    ``# readme: <marker>``."""
     [block] = [b for b in _python_blocks() if b.startswith(f"# readme: {marker}\n")]
     return block
 
@@ -272,7 +286,7 @@ def test_links_to_docs_rules_sections_exist() -> None:
     numbers = {h.split(".")[0] for h in headings if h[0].isdigit()}
     for path in _user_facing_documents():
         text = path.read_text()
-        link = r"\]\(#([\w-]+)\)" if path == RULES else r"docs/rules\.md#([\w-]+)"
+        link = r"\]\(#([\w-]+)\)" if path == RULES else r"(?:docs/|\.\./)rules\.md#([\w-]+)"
         for anchor in re.findall(link, text):
             assert anchor in anchors, f"{path.name}: #{anchor}"
         for number in re.findall(r"docs/rules\.md §(\d+)", text):

@@ -501,9 +501,9 @@ def test_the_config_flag_defaults_on() -> None:
 
 
 def readme_cron_example() -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = re.split(r"\n##+ ", readme.split("### Cron schedules", 1)[1], maxsplit=1)[0]
-    [block] = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    """The python block of the docs' cron page (docs/guides/schedules.md)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "schedules.md")
+    [block] = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
     return str(block)
 
 
@@ -513,7 +513,7 @@ async def test_the_readme_example_defines_working_schedules(queue: Queue) -> Non
     module = types.ModuleType("readme_cron")
     sys.modules[module.__name__] = module
     try:
-        exec(compile(block, "README.md", "exec"), module.__dict__)  # noqa: S102
+        exec(compile(block, "docs/guides/schedules.md", "exec"), module.__dict__)  # noqa: S102
         await enqueue_the_readme_ticks(queue, module.SCHEDULES)
     finally:
         del sys.modules[module.__name__]

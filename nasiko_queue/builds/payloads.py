@@ -959,7 +959,7 @@ def _no_key_message(payload: AnyPayload, field: "attrs.Attribute[Any]") -> str:
         message += (
             ". Only for a table shared with replicas running the original worker, which read "
             "these values as plaintext: QueueConfig(seal_agent_env=False) stores them in "
-            "plaintext instead (README, Configuration)"
+            "plaintext instead (docs/reference/configuration.md)"
         )
     return message
 

@@ -14,6 +14,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
+import attrs
 import click
 from rich.markup import escape
 from rich.table import Table
@@ -42,7 +43,14 @@ from ..db.statements import Q
 from ..errors import InvalidPayload
 from ..executors import Executors
 from ..job_errors import JobError, job_errors
-from ..plain.args import DEFAULT_QUEUE, JobOptions, Unique, check_run_at, delay_seconds
+from ..plain.args import (
+    DEFAULT_QUEUE,
+    JobArgs,
+    JobOptions,
+    Unique,
+    check_run_at,
+    delay_seconds,
+)
 from ..queue import Queue, plain_json_payload
 from .common import (
     OperatorError,
@@ -363,8 +371,10 @@ def _did_you_mean(kind: str, known: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def check_registered(executors: Executors, kind: str, args: dict[str, Any], spec: str) -> None:
-    """Refuse a kind `executors` does not run, or arguments its type would not decode."""
+def check_registered(executors: Executors, kind: str, args: dict[str, Any],
+                     spec: str) -> type[JobArgs]:
+    """The type `executors` runs `kind` with; refuse a kind it does not run, or
+    arguments its type would not decode."""
     types = {t.kind: t for t in executors.plain_types}
     if kind not in types:
         raise InvalidPayload(f"{spec} registers no plain job of kind {kind!r}"
@@ -374,6 +384,7 @@ def check_registered(executors: Executors, kind: str, args: dict[str, Any], spec
     except Exception as exc:
         raise InvalidPayload(f"invalid {kind} payload: {describe_structure_error(exc)}"
                              ) from None
+    return types[kind]
 
 
 async def check_served(db: Database, kind: str) -> None:
@@ -393,10 +404,12 @@ async def check_served(db: Database, kind: str) -> None:
 @click.argument("kind")
 @click.argument("args_json", metavar="JSON", default="{}")
 @dsn_option
-@click.option("--queue", default=DEFAULT_QUEUE, show_default=True,
-              help="The queue it goes to (a worker runs the queues it is given).")
-@click.option("--priority", type=click.IntRange(-32768, 32767), default=0, show_default=True,
-              help="Lower runs first within its queue.")
+@click.option("--queue", default=None,
+              help="The queue it goes to (a worker runs the queues it is given). "
+                   f"Default: the type's, with --executors; else {DEFAULT_QUEUE!r}.")
+@click.option("--priority", type=click.IntRange(-32768, 32767), default=None,
+              help="Lower runs first within its queue. Default: the type's, with "
+                   "--executors; else 0.")
 @click.option("--run-at", default=None, metavar="ISO", callback=_parse_run_at,
               help="Not before this time (ISO 8601 with a UTC offset).")
 @click.option("--delay", type=float, default=None, metavar="SECONDS", callback=_parse_delay,
@@ -404,24 +417,26 @@ async def check_served(db: Database, kind: str) -> None:
 @click.option("--unique", "unique_key", default=None, metavar="KEY",
               help="Only if no waiting or running job holds KEY; else print that "
                    "job's id.")
-@click.option("--max-attempts", type=click.IntRange(min=1),
-              default=JobOptions().max_attempts, show_default=True,
-              help="Runs before the job is discarded.")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=None,
+              help="Runs before the job is discarded. Default: the type's, with "
+                   f"--executors; else {JobOptions().max_attempts}.")
 @click.option("--executors", "executors_spec", default=None, metavar="MODULE:ATTR",
               help="Check KIND and the JSON's field types against this registry, as the "
                    "worker will decode them (default: against the kinds live workers run).")
 @click.option("--any-kind", is_flag=True,
               help="Enqueue KIND even if no registry or live worker names it (a worker "
                    "deployed later).")
-def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str, priority: int,
-                    run_at: datetime | None, delay: float | None, unique_key: str | None,
-                    max_attempts: int, executors_spec: str | None, any_kind: bool) -> None:
+def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str | None,
+                    priority: int | None, run_at: datetime | None, delay: float | None,
+                    unique_key: str | None, max_attempts: int | None,
+                    executors_spec: str | None, any_kind: bool) -> None:
     """
     Enqueue a plain job of KIND whose arguments are the JSON object JSON (default
     {}), and print its id: the row `Queue.enqueue` writes for a job of that kind
     with those fields. A KIND that no worker would run (a typo) is refused: with
-    --executors, KIND must be registered there and the JSON's fields are decoded
-    as the worker will; without it, a live worker must run KIND. --any-kind
+    --executors, KIND must be registered there, the JSON's fields are decoded as
+    the worker will, and the type's options (queue, priority, attempts) are the
+    defaults; without it, a live worker must run KIND. --any-kind
     enqueues it anyway. With --unique, a key held by a waiting or running job
     enqueues nothing and prints that job's id (and says so on stderr).
 
@@ -435,10 +450,15 @@ def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str, prio
         plain_json_payload(kind, args)
         if run_at is not None and delay is not None:
             raise InvalidPayload("give --run-at or --delay, not both")
-        options = JobOptions(queue=queue, priority=priority, max_attempts=max_attempts)
-        unique = Unique(unique_key) if unique_key is not None else None
+        typed = JobOptions()
         if executors_spec is not None and not any_kind:
-            check_registered(load_executors(executors_spec), kind, args, executors_spec)
+            typed = check_registered(load_executors(executors_spec), kind, args,
+                                     executors_spec).options
+        options = attrs.evolve(
+            typed, queue=typed.queue if queue is None else queue,
+            priority=typed.priority if priority is None else priority,
+            max_attempts=typed.max_attempts if max_attempts is None else max_attempts)
+        unique = Unique(unique_key) if unique_key is not None else None
     except json.JSONDecodeError as exc:
         raise OperatorError(f"JSON is not valid JSON ({exc})") from None
     except (InvalidPayload, ValueError) as exc:

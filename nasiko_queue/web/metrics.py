@@ -15,7 +15,7 @@ with no checkpoint between: the collector renders the rows of this scrape.
 When the database does not answer, the scrape still succeeds, with the
 worker's metrics and `nasiko_queue_database_up 0`.
 
-Names (README "Health and metrics" has the table):
+Names (docs/operations/health.md has the table):
 
 ====================================================  =========  ======================
 nasiko_queue_jobs{queue,kind,state}                   gauge      jobs in the tables
