@@ -735,8 +735,13 @@ def test_demo_every_scenario_ends_as_the_rules_say(runner: CliRunner, dsn: str) 
     result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
     assert result.exit_code == 0, result.output
     assert "✗" not in result.stdout
-    assert result.stdout.count("✓") == 13 + 1 + 1  # the rows, the secret note, the verdict
+    # The job queue's 7 rows; the builds' 13, the secret note and the verdict.
+    assert result.stdout.count("✓") == 7 + 13 + 1 + 1
     assert "All 13 scenarios ended as docs/rules.md says." in result.stdout
+    # The general queue comes first; the build worker after it (issue #46).
+    queue_part = result.stdout.index("Part 1: the job queue")
+    assert queue_part < result.stdout.index("... retried from the dead letters") < \
+        result.stdout.index("Part 2: the Nasiko build worker")
     assert "expected (docs/rules.md)" in result.stdout
     # The contract the project was built from is not in the repository: never cite it.
     assert "SPEC" not in result.output
@@ -751,8 +756,10 @@ def test_demo_says_its_errors_are_simulated_before_they_appear(
     assert result.exit_code == 0, result.output
     text = result.stdout
     log_lines = re.findall(r"^(EXPECTED|ERROR|WARNING|INFO) +nasiko_queue", text, re.MULTILINE)
-    # 2 crashes of the flaky job, 3 + 3 of the two that always crash; 3 refusals.
-    assert log_lines == ["EXPECTED"] * 11
+    # The job queue: 2 crashes of the card charge, 2 of the notification and its
+    # discard. The builds: 2 crashes of the flaky job, 3 + 3 of the two that
+    # always crash; 3 refusals.
+    assert log_lines == ["EXPECTED"] * (5 + 11)
     first = re.search(r"^EXPECTED ", text, re.MULTILINE)
     assert first is not None
     note = text.find("simulated on purpose")
@@ -784,6 +791,18 @@ def test_demo_log_marks_only_what_the_scenarios_provoke() -> None:
         f"WARNING  nasiko_queue.worker: job {refused} update failed (timeout); retrying",
         "WARNING  nasiko_queue.worker: LISTEN connection lost",
     ]
+
+
+def test_a_job_queue_row_that_differs_fails_the_demo() -> None:
+    """The tour's rows count in the verdict: the demo checks, it does not only show."""
+    from nasiko_queue.cli.demo import DemoReport, DemoRow, _done
+    from nasiko_queue.cli.demo_queue import TourRow
+
+    build = DemoRow(kind="Upload", scenario="builds", observed=_done(), expected=_done())
+    good = TourRow("a workflow", "total 1000", "total 1000")
+    bad = TourRow("a workflow", "total 900", "total 1000")
+    assert DemoReport((build,), (good,)).ok
+    assert not DemoReport((build,), (good, bad)).ok
 
 
 def test_demo_refuses_a_database_with_unfinished_jobs(runner: CliRunner, dsn: str) -> None:

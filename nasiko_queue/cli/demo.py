@@ -1,7 +1,10 @@
 """
 The demo: every path a job can take, run for real against PostgreSQL.
 
-It plays the application's part around the queue: it creates agents,
+First the general job queue, as any application uses it (`demo_queue`: plain
+jobs, retries, a dead letter retried, an awaited result, a workflow with a
+fan-out, a cron schedule). Then the Nasiko build worker, one application of
+the queue: it plays the application's part around the queue, it creates agents,
 connectors and build rows the way the original's enqueue points do, and
 registers simulated executors (fakes of the outside world: no Docker, no
 GitHub, just the rows a real build would write, and a short sleep where the
@@ -49,6 +52,7 @@ from ..executors import Executors, JobContext
 from ..queue import Queue
 from ..secrets import SecretBox, generate_master_key
 from ..testing import enqueue_with_target, insert_agent, insert_agent_build
+from .demo_queue import SimulatedCrash, TourRow, render_tour, run_tour
 
 #: Seconds each simulated build step takes in the demo; tests pass 0.
 DEFAULT_DELAY = 0.3
@@ -60,10 +64,6 @@ DEFAULT_GIVE_UP_AFTER = 120.0
 #: The env key of the McpServerUpload scenario's secret. Its value is random per
 #: run, so that finding it in the payload column could not be a coincidence.
 _DEMO_ENV_KEY = "API_TOKEN"
-
-
-class SimulatedCrash(RuntimeError):
-    """What a simulated executor raises on purpose; the demo's log marks it as expected."""
 
 
 class Behaviour(enum.Enum):
@@ -174,10 +174,13 @@ class DemoReport:
     """Every scenario's row; `ok` when each one ended as docs/rules.md says."""
 
     rows: tuple[DemoRow, ...]
+    #: The general queue's part, run first.
+    tour: tuple[TourRow, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return bool(self.rows) and all(row.ok for row in self.rows)
+        return (bool(self.rows) and all(row.ok for row in self.rows)
+                and all(row.ok for row in self.tour))
 
 
 def _done(runs: int = 1, attempt: int = 1, target: str = "running") -> Outcome:
@@ -355,7 +358,7 @@ SIMULATED_NOTE = (
     "Starting the worker. Some scenarios make their executor crash, or give the worker a "
     "job it must refuse, so the log below has errors and warnings: they are simulated on "
     "purpose and marked [cyan]EXPECTED[/]. A line marked ERROR or WARNING would be a real "
-    "problem; the table at the end checks how every job ended."
+    "problem; the tables check how every job ended."
 )
 
 
@@ -498,6 +501,14 @@ async def _run_demo(
         console.print(escape(f"Schema: applied {', '.join(applied)}.") if applied
                       else "Schema: up to date.")
         await _refuse_busy(db)
+        if log is not None:
+            console.print(SIMULATED_NOTE)
+        console.print("[bold]Part 1: the job queue[/] (plain jobs, retries, a dead letter, "
+                      "an awaited result, a workflow, a schedule).")
+        tour = tuple(await run_tour(db, give_up_after=give_up_after))
+        render_tour(console, list(tour))
+        console.print("[bold]Part 2: the Nasiko build worker[/], an application of the "
+                      "queue (simulated container builds).")
         box = SecretBox.from_base64(generate_master_key())
         config = QueueConfig(poll_interval=0.5, recovery_interval=30.0)
         queue = Queue(db, config=config, secrets=box)
@@ -513,7 +524,6 @@ async def _run_demo(
             for item in staged:
                 if item.scenario.refused:
                     log.expect_refusal(item.job_id)
-            console.print(SIMULATED_NOTE)
 
         worker = Worker(queue, world.executors())
         async with trio.open_nursery() as nursery:
@@ -527,7 +537,7 @@ async def _run_demo(
             else:
                 nursery.cancel_scope.cancel()
         rows = tuple([await _observe(db, item, world, at_rest) for item in staged])
-    report = DemoReport(rows)
+    report = DemoReport(rows, tour)
     _render(console, report)
     return report
 
@@ -721,6 +731,10 @@ def _render(console: Console, report: DemoReport) -> None:
             mark = "[green]✓[/]" if row.note_ok else "[bold red]✗[/]"
             console.print(f"{mark} {escape(row.kind)} secret: {escape(row.note)}")
     bad = [row for row in report.rows if not row.ok]
+    tour_bad = [row for row in report.tour if not row.ok]
+    if tour_bad:
+        console.print(f"[bold red]✗ {len(tour_bad)} of {len(report.tour)} job-queue "
+                      "scenarios did not end as they must.[/]")
     if bad:
         console.print(f"[bold red]✗ {len(bad)} of {len(report.rows)} scenarios did not end as "
                       "docs/rules.md says.[/]")

@@ -232,7 +232,8 @@ class PlainJobExecutor(Slots[PlainJobStore]):
             lambda why: self._discard(job, why))
         if state == DISCARDED:
             self.state.stats.failed += 1
-            log.error("job %s: discarded after %d attempt(s): %s", job.id, job.attempt, line)
+            log.error("job %s: discarded after %d attempt(s): %s", job.id, job.attempt, line,
+                      extra={"job_error": error})
         elif state == CANCELLED:  # a cancel was asked for while it ran
             self.state.stats.cancelled += 1
             log.warning("job %s: cancelled (its cancel came before the crash)", job.id)
