@@ -14,9 +14,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
+import attrs
+import click
 import trio
 
+from nasiko_queue import Executors, JobArgs, PlainJobContext, Queue
+
+from .helpers import running
 from .test_readme import README, ROOT, example_env
 
 #: The command the package installs, beside this interpreter.
@@ -41,6 +47,18 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
     quickstart = (tmp_path / "site" / "quickstart" / "index.html").read_text()
     assert "send_welcome" in quickstart  # the README's quickstart, included
+    # The CLI reference, generated from the click commands (mkdocs-click): every
+    # command and its options are on the page.
+    from nasiko_queue.cli import main
+
+    cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
+    for name, command in main.commands.items():
+        if command.hidden:
+            continue
+        assert f"nasiko-queue {name}" in cli, name
+        for option in (p.opts[0] for p in command.params
+                       if isinstance(p, click.Option) and not p.hidden):
+            assert option in cli, (name, option)
 
 
 def test_every_page_is_in_the_nav() -> None:
@@ -108,3 +126,136 @@ async def _jobs(dsn: str) -> list[tuple[str, str, str]]:
             "SELECT kind, state, result::text AS result FROM nasiko_queue_jobs")
     return [(r["kind"], r["state"], r["result"]) for r in rows]
 
+
+
+# -- every other code block ---------------------------------------------------------
+
+#: The code blocks of the README and the docs that are not one of the python
+#: programs tests/test_readme.py runs, each (file, first line) with the test that
+#: runs it or checks it. A new block that is in none fails
+#: `test_every_other_block_is_run_or_checked`.
+OTHER_BLOCKS = {
+    ("README.md", "pip install '.[demo]' && nasiko-queue demo"):
+        "test_readme.test_ci_runs_the_readme_setup_commands_as_printed (CI runs both)",
+    ("README.md", 'python -m pytest -m "not slow"'):
+        "test_readme.test_readme_names_the_setup_commands (a subset of the full run)",
+    ("README.md", "# quickstart: myapp/jobs.py"): "test_the_quickstart_runs_as_printed",
+    ("README.md", "# quickstart: commands"): "test_the_quickstart_runs_as_printed",
+    ("docs/development.md", "pip install -e '.[dev]'"):
+        "test_the_development_commands_are_the_ones_ci_runs",
+    ("docs/guides/clients.md", "-- readme: trigger"): "test_enqueue_function.test_from_a_trigger",
+    ("docs/operations/dashboard.md", "export NASIKO_QUEUE_DASHBOARD_TOKEN=…"):
+        "test_the_dashboard_block_serves",
+    ("docs/operations/health.md", "livenessProbe:"): "test_the_probes_block_names_served_paths",
+}
+
+
+def _blocks() -> list[tuple[str, str, str, str]]:
+    """(file, language, first line, body) of every fenced block of README and docs."""
+    found = []
+    for path in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        for _indent, language, body in re.findall(r"^( *)```(\w+)\n(.*?)^\1```",
+                                                  path.read_text(), flags=re.DOTALL | re.MULTILINE):
+            # The first line without its comment: what a reader would type.
+            lines = [line.split("  #", 1)[0].strip() for line in body.splitlines()
+                     if line.strip()]
+            found.append((path.relative_to(ROOT).as_posix(), language, lines[0], body))
+    return found
+
+
+def _other_block(name: str, first: str) -> str:
+    [body] = [b for path, _lang, line, b in _blocks() if (path, line) == (name, first)]
+    return body
+
+
+def test_every_other_block_is_run_or_checked() -> None:
+    others = {(path, first) for path, language, first, _ in _blocks()
+              if not (language == "python" and first.startswith("# readme: "))}
+    assert others == set(OTHER_BLOCKS)
+
+
+def test_the_development_commands_are_the_ones_ci_runs() -> None:
+    """The contributor's commands: each is what `.ci/run` runs (or its subset), so a
+    renamed tool or a changed command fails here instead of rotting on the page."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    body = _other_block("docs/development.md", "pip install -e '.[dev]'")
+    commands = [line.split("#", 1)[0].strip() for line in body.splitlines() if line.strip()]
+    for command in commands:
+        for part in command.split("&&"):
+            part = part.strip()
+            if part == "bash .ci/run":
+                continue
+            assert part.split()[0] in ci, part
+            assert part in ci or part.startswith(
+                ("pip install -e", 'python -m pytest -m "not slow"')), part
+
+
+@attrs.frozen
+class _Noop(JobArgs):
+    kind: ClassVar[str] = "noop"
+
+
+async def _noop(ctx: PlainJobContext[_Noop]) -> None:
+    """A worker runs at least one kind."""
+
+
+async def test_the_probes_block_names_served_paths(queue: Queue) -> None:
+    """The Kubernetes probes: valid YAML whose paths a worker's HTTP service answers
+    with 200, on the port the guide gives `--http`."""
+    import yaml
+
+    from nasiko_queue.web.bind import DEFAULT_PORT
+
+    from .test_http import serving, until
+
+    probes = yaml.safe_load(_other_block("docs/operations/health.md", "livenessProbe:"))
+    assert set(probes) == {"livenessProbe", "readinessProbe"}
+    executors = Executors()
+    executors.register(_Noop)(_noop)
+    async with running(queue, executors) as worker, serving(queue, worker) as (_, client):
+        for probe in probes.values():
+            assert probe["httpGet"]["port"] == DEFAULT_PORT
+            path = probe["httpGet"]["path"]
+
+            async def answers(path: str = path) -> bool:
+                return (await client.get(path)).status_code == 200
+
+            await until(answers, path)
+
+
+async def test_the_dashboard_block_serves(dsn: str, tmp_path: Path) -> None:
+    """The dashboard's command as printed, the `…` standing for the reader's token
+    and DSN: it serves on 127.0.0.1:9182, the token logs in, Ctrl-C ends it (0)."""
+    import httpx
+
+    from .test_http import until
+
+    body = _other_block("docs/operations/dashboard.md", "export NASIKO_QUEUE_DASHBOARD_TOKEN=…")
+    [export, command] = [line.split("#", 1)[0].strip() for line in body.splitlines()
+                         if line.strip()]
+    token = "t" * 32
+    assert export == "export NASIKO_QUEUE_DASHBOARD_TOKEN=…"
+    argv = shlex.split(command.replace("postgresql://…", dsn))
+    env = {**example_env(dsn), "NASIKO_QUEUE_DASHBOARD_TOKEN": token, "PYTHONPATH": ""}
+    proc = await trio.lowlevel.open_process([str(NASIKO_QUEUE), *argv[1:]], cwd=tmp_path,
+                                            env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+    try:
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:9182", timeout=5.0) as client:
+
+            async def up() -> bool:
+                assert proc.returncode is None, "the dashboard exited"
+                try:
+                    return (await client.get("/")).status_code == 200
+                except httpx.TransportError:  # not listening yet
+                    return False
+
+            await until(up, "the dashboard to serve", 60.0)
+            assert (await client.get(f"/login?token={token}")).status_code == 303
+            assert "/logout" in (await client.get("/")).text
+        proc.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
