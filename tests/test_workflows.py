@@ -115,6 +115,25 @@ async def test_steps_run_in_dag_order_and_a_fan_in_gets_the_results_in_item_orde
         run_id) == 5
 
 
+async def test_a_workflow_whose_name_is_no_identifier_runs(queue: Queue) -> None:
+    """Regression: `Workflow("nightly-report")` was accepted, and every one of its
+    step jobs was then discarded as an invalid payload (its jobs' type was named
+    after the workflow, and cattrs cannot generate code for such a class name)."""
+    wf = Workflow("nightly-report")
+
+    @wf.step()
+    async def gather(ctx: StepContext) -> int:
+        return 2
+
+    @wf.step(after=[gather])
+    async def double(ctx: StepContext) -> int:
+        return 2 * int(ctx.results["gather"])
+
+    run_id = await queue.start(wf, None)
+    async with running(queue, executors_for(wf)):
+        assert await queue.run_result(run_id, timeout=TEST_DEADLINE) == 4
+
+
 async def test_an_empty_fan_out_completes_the_mapped_step_with_an_empty_list(
     queue: Queue,
 ) -> None:

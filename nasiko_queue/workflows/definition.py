@@ -20,6 +20,7 @@ so a deploy that changes the workflow never reshapes a run in flight.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
@@ -119,7 +120,10 @@ class Step:
 
     def args_type(self) -> type[StepArgs]:
         """The `JobArgs` type of its jobs: `StepArgs` with its kind and options."""
-        made = type(f"StepArgs_{self.workflow}_{self.name}", (StepArgs,), {
+        # The class's name must be an identifier: cattrs generates the structuring
+        # code with it, and a workflow's name may hold '-' or a space.
+        name = re.sub(r"\W", "_", f"StepArgs_{self.workflow}_{self.name}")
+        made = type(name, (StepArgs,), {
             "kind": self.job_kind,
             "options": JobOptions(queue=self.queue, priority=self.priority,
                                   max_attempts=self.max_attempts),
