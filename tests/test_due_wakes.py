@@ -426,3 +426,32 @@ async def test_a_steps_retry_starts_when_its_backoff_ends(db: Database) -> None:
         await started(second_try)
 
     await run_worker(worker, body)
+
+
+async def test_a_transition_notify_wakes_no_lane_of_a_worker_without_workflows(
+    db: Database,
+) -> None:
+    """A due workflow transition's NOTIFY is for the workers that run workflows
+    (their transition service). A worker without any used to wake every lane on
+    it: a drain of each queue, for nothing, on every transition of the fleet.
+    Sent before a NOTIFY naming queue `due`, in one transaction (delivered in
+    order, each wake synchronous), so that once `due` drains, a wake of `other`
+    by the first would already show."""
+    worker = Worker(Queue(db, config=attrs.evolve(MINUTE, queues={"due": 1, "other": 1})),
+                    Runs().executors())
+    assert worker.transitions is None
+    lanes = {lane.name: lane for lane in worker.lanes}
+
+    async def body() -> None:
+        for lane in lanes.values():
+            await asleep(worker, lane)
+        before = {name: lane.state.drains_started for name, lane in lanes.items()}
+        async with db.transaction() as tx:
+            for payload in ("nasiko_queue.transition", "queue:due"):
+                await tx.execute("SELECT pg_notify($1, $2)", MINUTE.notify_channel, payload)
+        with trio.fail_after(SOON):
+            while lanes["due"].state.drains_started == before["due"]:
+                await worker.state.changed.park()
+        assert lanes["other"].state.drains_started == before["other"]
+
+    await run_worker(worker, body)

@@ -94,7 +94,7 @@ from .completer import Completer
 from .contracts import JobStore, LaneStore
 from .heartbeat import HeartbeatService
 from .lane import Lane
-from .listener import Listener, payload_queue
+from .listener import TRANSITION_PAYLOAD, Listener, payload_queue
 from .maintenance import JobRescuer, Pruner, RescuerConfig, StuckJobSweeper, SweeperConfig
 from .producer import Producer
 from .retry import RetryPolicy, one_line
@@ -329,8 +329,13 @@ class Worker:
         A notification: a wake of every lane, or, when it names a queue
         (`listener.payload_queue`: a job of it falls due later), of that
         queue's lane alone, which drains and then reads when its next job is
-        due. One this worker does not serve wakes nothing.
+        due. One this worker does not serve wakes nothing, and neither does a
+        due workflow transition's (`TRANSITION_PAYLOAD`, which comes here only
+        when this worker runs no transition service): the service that applies
+        it enqueues the steps, and those enqueues wake their lanes.
         """
+        if payload == TRANSITION_PAYLOAD:
+            return
         queue = payload_queue(payload)
         if queue is None or not self._lanes_running:
             self.wake()
