@@ -34,6 +34,7 @@ import asyncpg
 import attrs
 
 from ..errors import MigrationError
+from .adopt import adopts
 from .database import Database
 from .statements import Q
 
@@ -158,6 +159,14 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
                             f"migration {m.version}_{m.name} changed after it was applied; "
                             "released migrations are never edited: add a new numbered file"
                         )
+                    continue
+                if await adopts(conn, m.version, m.name):
+                    # The application's own migrations made these tables: recorded,
+                    # not run (`nasiko_queue.db.adopt`).
+                    await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
+                    log.info("adopted the application's tables for migration %s_%s",
+                             m.version, m.name)
+                    done.append(m.version)
                     continue
                 if m.in_transaction:
                     async with conn.transaction():

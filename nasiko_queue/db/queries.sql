@@ -277,6 +277,26 @@ SELECT version, name, checksum FROM nasiko_queue_migrations ORDER BY version;
 -- name: migrations_record
 INSERT INTO nasiko_queue_migrations (version, name, checksum) VALUES ($1, $2, $3);
 
+-- name: migrations_tables_present
+-- Which of the tables $1 exist, as the session's search path resolves them
+-- (`nasiko_queue.db.adopt`: the application's tables a migration may adopt).
+SELECT t.name AS table_name
+FROM unnest($1::text[]) AS t(name)
+WHERE to_regclass(quote_ident(t.name)) IS NOT NULL;
+
+-- name: migrations_table_columns
+-- The live columns of each existing table of $1.
+SELECT t.name AS table_name, a.attname::text AS column_name
+FROM unnest($1::text[]) AS t(name)
+JOIN pg_attribute AS a
+  ON a.attrelid = to_regclass(quote_ident(t.name)) AND a.attnum > 0 AND NOT a.attisdropped;
+
+-- name: migrations_types_present
+-- Which of the types $1 exist, as the search path resolves them.
+SELECT t.name AS type_name
+FROM unnest($1::text[]) AS t(name)
+WHERE to_regtype(quote_ident(t.name)) IS NOT NULL;
+
 -- The statements below are what the application around the queue writes (the
 -- original's HTTP handlers and executors). The library uses them only in
 -- `nasiko_queue.testing` and the demo, which play the application's part.

@@ -49,6 +49,9 @@ class Queries:
     migrations_create_table: str
     migrations_applied: str
     migrations_record: str
+    migrations_tables_present: str
+    migrations_table_columns: str
+    migrations_types_present: str
     agent_insert: str
     agent_build_insert: str
     connector_insert: str
