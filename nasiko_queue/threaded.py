@@ -69,11 +69,13 @@ class _StoppableCall:
         self._thread: int | None = None
         self._stopped = False
         self._sent = False
+        self._entered = False
         self.ended = threading.Event()
 
     def __call__(self) -> Any:
         try:
             with self._lock:
+                self._entered = True
                 if self._stopped:
                     raise RunStopped
                 self._thread = threading.get_ident()
@@ -106,13 +108,18 @@ class _StoppableCall:
                 continue
             return
 
-    def stop(self) -> None:
-        """Raise `RunStopped` in the thread at its next Python line (or before it starts)."""
+    def stop(self) -> bool:
+        """
+        Raise `RunStopped` in the thread at its next Python line (or before it
+        starts). Returns whether the call had begun in a thread: a run cancelled
+        before trio handed it to one never begins, and there is nothing to wait for.
+        """
         with self._lock:
             self._stopped = True
             if self._thread is not None:
                 self._sent = True
                 _set_async_exc(self._thread, RunStopped)
+            return self._entered
 
 
 def _checkpoint() -> None:
@@ -140,7 +147,8 @@ def in_thread(fn: Callable[[Any], Any], what: str) -> Callable[[Any], Awaitable[
             value = await trio.to_thread.run_sync(call, abandon_on_cancel=True,
                                                   limiter=trio.CapacityLimiter(1))
         except trio.Cancelled:
-            call.stop()
+            if not call.stop():
+                raise  # cancelled before a thread took it: it never runs
             with trio.move_on_after(THREAD_STOP_GRACE) as waited:
                 waited.shield = True
                 await trio.to_thread.run_sync(call.ended.wait, abandon_on_cancel=True)

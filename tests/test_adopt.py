@@ -63,12 +63,15 @@ async def test_migrate_adopts_the_originals_tables_and_shares_build_jobs(
         theirs = {t: await _columns(db, t) for t in ("agents", "agent_builds", "build_jobs")}
         applied = await migrate(db)
         assert applied == [m.version for m in load_migrations()]
-        # Nothing of the application's was dropped; 0001's own trigger function
-        # was not created (adopted, not run); the queue's tables and columns were.
+        # Nothing of the application's was dropped or replaced (its own trigger
+        # still calls its own function; 0001 was adopted, not run); the queue's
+        # tables and columns were added.
         for table, columns in theirs.items():
             assert columns <= await _columns(db, table), table
         assert "display_name" in await _columns(db, "agents")
-        assert await db.fetchval("SELECT to_regproc('nasiko_set_updated_at')") is None
+        assert await db.fetchval(
+            "SELECT tgfoid::regproc::text FROM pg_trigger WHERE tgname = "
+            "'trg_agents_updated_at'") == "update_updated_at_column"
         assert await db.fetchval("SELECT to_regclass('nasiko_queue_jobs')") is not None
         assert len(await _columns(db, "build_jobs")) > len(theirs["build_jobs"])
         assert await migrate(db) == []  # adopted once, recorded
@@ -134,3 +137,17 @@ async def test_a_new_database_gets_the_tables_created(empty_dsn: str) -> None:
         assert await db.fetchval("SELECT to_regproc('nasiko_set_updated_at')") is not None
         with trio.fail_after(10):
             assert await db.fetchval("SELECT count(*) FROM build_jobs") == 0
+
+
+async def test_an_original_from_before_its_mcp_tables_is_adopted_then_migrated(
+    empty_dsn: str,
+) -> None:
+    """Found by review: adopting 0001 skipped its trigger function, which 0003 (run
+    where the application has no MCP tables yet) gives its new tables: migrate
+    failed with "function nasiko_set_updated_at() does not exist"."""
+    async with open_database(empty_dsn) as db:
+        await _original(db)
+        await db.execute("ALTER TABLE build_jobs DROP COLUMN connector_id")
+        await db.execute("DROP TABLE mcp_connector_builds, mcp_connectors")
+        assert await migrate(db) == [m.version for m in load_migrations()]
+        assert await db.fetchval("SELECT to_regclass('mcp_connectors')") is not None

@@ -296,3 +296,20 @@ async def test_a_run_never_clears_a_stop_with_a_null_exception(
         await worker.wait_for(lambda s: s.done >= 1)
     assert await plain_state(queue, job_id) == ("completed", 2, "2")
     assert sent == [threaded.RunStopped]
+
+
+async def test_a_run_cancelled_before_its_thread_starts_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a def run cancelled before trio handed it to a thread never
+    started, yet the stop waited the whole grace (shielded) for its thread, holding
+    up a hard stop, and logged that the thread "did not stop". It returns at once
+    now; the function never runs."""
+    monkeypatch.setattr(threaded, "THREAD_STOP_GRACE", 0.5)
+    ran: list[int] = []
+    run = threaded.in_thread(lambda ctx: ran.append(ctx), "never")
+    with LogEvent("did not stop within") as left, trio.fail_after(TEST_DEADLINE), \
+            trio.CancelScope() as scope:
+        scope.cancel()
+        await run(1)
+    assert (ran, left.count) == ([], 0)

@@ -39,6 +39,9 @@ class Adoptable:
     adds: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     #: Types the file creates, needed as they are.
     types: tuple[str, ...] = ()
+    #: What of the file is the queue's own and runs all the same: named
+    #: statements of queries.sql (a later file may use what they make).
+    own: tuple[str, ...] = ()
 
     def needs(self) -> dict[str, tuple[str, ...]]:
         """Every table's columns the queue needs once the file is applied."""
@@ -61,6 +64,8 @@ ADOPTABLE: Mapping[str, Adoptable] = {
                            "error_msg", "created_at", "picked_at", "completed_at"),
         },
         types=("build_status",),
+        # 0003 and later give their tables triggers of this function.
+        own=("migrations_updated_at_function",),
     ),
     "0003": Adoptable(
         creates={

@@ -34,7 +34,7 @@ import asyncpg
 import attrs
 
 from ..errors import MigrationError
-from .adopt import adopts
+from .adopt import ADOPTABLE, adopts
 from .database import Database
 from .statements import Q
 
@@ -162,8 +162,12 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
                     continue
                 if await adopts(conn, m.version, m.name):
                     # The application's own migrations made these tables: recorded,
-                    # not run (`nasiko_queue.db.adopt`).
-                    await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
+                    # not run, but for what of the file is the queue's own
+                    # (`nasiko_queue.db.adopt`).
+                    async with conn.transaction():
+                        for name in ADOPTABLE[m.version].own:
+                            await conn.execute(getattr(Q, name))
+                        await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
                     log.info("adopted the application's tables for migration %s_%s",
                              m.version, m.name)
                     done.append(m.version)

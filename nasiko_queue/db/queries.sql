@@ -277,6 +277,17 @@ SELECT version, name, checksum FROM nasiko_queue_migrations ORDER BY version;
 -- name: migrations_record
 INSERT INTO nasiko_queue_migrations (version, name, checksum) VALUES ($1, $2, $3);
 
+-- name: migrations_updated_at_function
+-- The trigger function of migration 0001, made also where 0001 is adopted (the
+-- application's tables are there): 0003 and later files use it.
+CREATE OR REPLACE FUNCTION nasiko_set_updated_at() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.updated_at := now();
+    RETURN NEW;
+END;
+$$;
+
 -- name: migrations_tables_present
 -- Which of the tables $1 exist, as the session's search path resolves them
 -- (`nasiko_queue.db.adopt`: the application's tables a migration may adopt).

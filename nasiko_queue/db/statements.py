@@ -49,6 +49,7 @@ class Queries:
     migrations_create_table: str
     migrations_applied: str
     migrations_record: str
+    migrations_updated_at_function: str
     migrations_tables_present: str
     migrations_table_columns: str
     migrations_types_present: str

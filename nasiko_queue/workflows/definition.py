@@ -120,9 +120,10 @@ class Step:
 
     def args_type(self) -> type[StepArgs]:
         """The `JobArgs` type of its jobs: `StepArgs` with its kind and options."""
-        # The class's name must be an identifier: cattrs generates the structuring
-        # code with it, and a workflow's name may hold '-' or a space.
-        name = re.sub(r"\W", "_", f"StepArgs_{self.workflow}_{self.name}")
+        # The class's name must be an ASCII identifier: cattrs generates the
+        # structuring code with it (and Python normalizes other identifiers), and a
+        # workflow's name may hold '-', a space or any letter.
+        name = re.sub(r"[^0-9A-Za-z_]", "_", f"StepArgs_{self.workflow}_{self.name}")
         made = type(name, (StepArgs,), {
             "kind": self.job_kind,
             "options": JobOptions(queue=self.queue, priority=self.priority,
