@@ -173,7 +173,7 @@ class Queue:
                              run_at: datetime | None, delay: float | timedelta | None,
                              options: JobOptions | None, unique: Unique | None) -> UUID:
         opts = options or type(args).options
-        unique = _unique_of(args, opts, unique)
+        unique = unique_of(args, opts, unique)
         job_id, _inserted = await self._insert_plain(
             self._plain_row(args, opts, run_at, delay), unique, tx)
         return job_id
@@ -705,7 +705,7 @@ async def _beside(background: Callable[[], Awaitable[object]],
     return answer
 
 
-def _unique_of(args: JobArgs, opts: JobOptions, unique: Unique | None) -> Unique | None:
+def unique_of(args: JobArgs, opts: JobOptions, unique: Unique | None) -> Unique | None:
     """A plain job's uniqueness: the enqueue's, else its options', else its type's key."""
     if unique is None:
         unique = opts.unique
@@ -821,7 +821,7 @@ class _Batch:
                     else:  # a bare JobArgs: as Job(payload), without making one
                         args, given = payload, _BARE
                     opts = given.options or type(args).options
-                    unique = _unique_of(args, opts, given.unique)
+                    unique = unique_of(args, opts, given.unique)
                     row = queue._plain_row(args, opts, given.run_at, given.delay)
                     if unique is None:
                         self._plain.append((*row, None, None))

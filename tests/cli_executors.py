@@ -41,6 +41,23 @@ async def ping(ctx: PlainJobContext[Ping]) -> None:
     return None
 
 
+@attrs.frozen(kw_only=True)
+class Digest(JobArgs):
+    """A plain job unique per day (its type's key)."""
+
+    kind: ClassVar[str] = "digest"
+    options: ClassVar[JobOptions] = JobOptions(queue="pings")
+    day: str
+
+    def unique_key(self) -> str | None:
+        return f"digest:{self.day}"
+
+
+@executors.register(Digest)
+async def digest(ctx: PlainJobContext[Digest]) -> None:
+    return None
+
+
 @executors.register(Upload)
 async def build_upload(ctx: JobContext[Upload]) -> None:
     """A build that always works: it only reports success on its build row."""

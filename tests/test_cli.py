@@ -350,7 +350,7 @@ def test_executors_spec_forms(runner: CliRunner) -> None:
     assert isinstance(load_executors("tests.cli_executors:executors"), Executors)
     assert load_executors("tests.cli_executors:make_executors").kinds == {
         "Upload", "Update", "Rollback"}
-    assert load_executors("tests.cli_executors:make_executors").plain_kinds == {"ping"}
+    assert load_executors("tests.cli_executors:make_executors").plain_kinds == {"ping", "digest"}
 
 
 def test_worker_flags_reach_the_queue_config(
@@ -816,6 +816,23 @@ def test_demo_refuses_a_database_with_unfinished_jobs(runner: CliRunner, dsn: st
     assert "Traceback" not in result.output
 
 
+def test_demo_refuses_a_database_with_plain_jobs_its_worker_would_take(
+    runner: CliRunner, dsn: str,
+) -> None:
+    """Found by review: the demo's first worker runs queues `email` and `default`;
+    an application's own waiting job there was claimed and given back unrun, with
+    errors in the log. The demo refuses such a database, as it does for build jobs."""
+    from .cli_executors import Ping
+
+    async def one_waiting(db: Database) -> None:
+        await Queue(db, config=FAST).enqueue(Ping(), options=JobOptions(queue="email"))
+
+    with_db(dsn, one_waiting)
+    result = invoke(runner, "demo", "--dsn", dsn, "--delay", "0")
+    assert result.exit_code == 1
+    assert "the database has 1 unfinished job(s)" in result.output
+
+
 async def test_run_demo_covers_all_seven_kinds(dsn: str) -> None:
     out = io.StringIO()
     report = await run_demo(dsn, console=Console(file=out, width=160), delay=0)
@@ -1011,6 +1028,17 @@ def test_enqueue_with_a_registry_takes_the_types_options(runner: CliRunner, dsn:
 
     assert tuple(queue_of(typed.stdout.strip())) == ("pings", 20)
     assert tuple(queue_of(given.stdout.strip())) == ("other", 2)
+
+    # Review: with --any-kind too, a kind the registry names is its type's job; and
+    # the type's unique key holds, as for `Queue.enqueue`.
+    anyway = invoke(runner, "enqueue", "ping", "{}", "--dsn", dsn, *registry, "--any-kind")
+    assert anyway.exit_code == 0, anyway.output
+    assert tuple(queue_of(anyway.stdout.strip())) == ("pings", 20)
+    first = invoke(runner, "enqueue", "digest", '{"day": "mon"}', "--dsn", dsn, *registry)
+    again = invoke(runner, "enqueue", "digest", '{"day": "mon"}', "--dsn", dsn, *registry)
+    assert first.exit_code == again.exit_code == 0, first.output + again.output
+    assert first.stdout == again.stdout
+    assert "already holds unique key 'digest:mon': nothing enqueued" in again.stderr
 
 
 def test_enqueue_refuses_a_kind_no_worker_would_run(runner: CliRunner, dsn: str) -> None:

@@ -146,6 +146,11 @@ OTHER_BLOCKS = {
     ("docs/guides/clients.md", "-- readme: trigger"): "test_enqueue_function.test_from_a_trigger",
     ("docs/operations/dashboard.md", "export NASIKO_QUEUE_DASHBOARD_TOKEN=…"):
         "test_the_dashboard_block_serves",
+    ("docs/operations/dashboard.md",
+     "dashboard on http://127.0.0.1:9182/ (actions need the token)"):
+        "test_the_dashboard_prints_the_lines_the_docs_show",
+    ("docs/design/layout.md", "docs/rules.md"):
+        "test_the_layout_names_every_module_and_migration",
     ("docs/operations/health.md", "livenessProbe:"): "test_the_probes_block_names_served_paths",
 }
 
@@ -154,10 +159,10 @@ def _blocks() -> list[tuple[str, str, str, str]]:
     """(file, language, first line, body) of every fenced block of README and docs."""
     found = []
     for path in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
-        for _indent, language, body in re.findall(r"^( *)```(\w+)\n(.*?)^\1```",
+        for _indent, language, body in re.findall(r"^( *)```(\w*)\n(.*?)^\1```",
                                                   path.read_text(), flags=re.DOTALL | re.MULTILINE):
-            # The first line without its comment: what a reader would type.
-            lines = [line.split("  #", 1)[0].strip() for line in body.splitlines()
+            # The first line up to its comment or column gap: what a reader types.
+            lines = [re.split(r"\s{2,}", line.strip())[0] for line in body.splitlines()
                      if line.strip()]
             found.append((path.relative_to(ROOT).as_posix(), language, lines[0], body))
     return found
@@ -223,25 +228,23 @@ async def test_the_probes_block_names_served_paths(queue: Queue) -> None:
             await until(answers, path)
 
 
-async def test_the_dashboard_block_serves(dsn: str, tmp_path: Path) -> None:
-    """The dashboard's command as printed, the `…` standing for the reader's token
-    and DSN: it serves on 127.0.0.1:9182, the token logs in, Ctrl-C ends it (0)."""
+async def _dashboard(dsn: str, tmp_path: Path, argv: list[str], env: dict[str, str],
+                     token: str | None) -> str:
+    """Run `nasiko-queue dashboard` (argv after the command) on a free port until it
+    serves; log in (with `token`, else the login URL it prints); Ctrl-C; its output."""
     import httpx
 
-    from .test_http import until
+    from .test_http import _free_port, until
 
-    body = _other_block("docs/operations/dashboard.md", "export NASIKO_QUEUE_DASHBOARD_TOKEN=…")
-    [export, command] = [line.split("#", 1)[0].strip() for line in body.splitlines()
-                         if line.strip()]
-    token = "t" * 32
-    assert export == "export NASIKO_QUEUE_DASHBOARD_TOKEN=…"
-    argv = shlex.split(command.replace("postgresql://…", dsn))
-    env = {**example_env(dsn), "NASIKO_QUEUE_DASHBOARD_TOKEN": token, "PYTHONPATH": ""}
-    proc = await trio.lowlevel.open_process([str(NASIKO_QUEUE), *argv[1:]], cwd=tmp_path,
-                                            env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
+    port = _free_port()
+    out = tmp_path / "dashboard.out"
+    with out.open("wb") as sink:
+        proc = await trio.lowlevel.open_process(
+            [str(NASIKO_QUEUE), *argv, "--bind", f"127.0.0.1:{port}"], cwd=tmp_path,
+            env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        async with httpx.AsyncClient(base_url="http://127.0.0.1:9182", timeout=5.0) as client:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                     timeout=5.0) as client:
 
             async def up() -> bool:
                 assert proc.returncode is None, "the dashboard exited"
@@ -251,7 +254,9 @@ async def test_the_dashboard_block_serves(dsn: str, tmp_path: Path) -> None:
                     return False
 
             await until(up, "the dashboard to serve", 60.0)
-            assert (await client.get(f"/login?token={token}")).status_code == 303
+            login = (f"/login?token={token}" if token is not None else
+                     out.read_text().split("log in at ", 1)[1].split()[0])
+            assert (await client.get(login)).status_code == 303
             assert "/logout" in (await client.get("/")).text
         proc.send_signal(signal.SIGINT)
         with trio.fail_after(30):
@@ -259,3 +264,45 @@ async def test_the_dashboard_block_serves(dsn: str, tmp_path: Path) -> None:
     finally:
         if proc.returncode is None:
             proc.kill()
+    return out.read_text().replace(str(port), "9182")
+
+
+async def test_the_dashboard_block_serves(dsn: str, tmp_path: Path) -> None:
+    """The dashboard's command as printed, the `…` standing for the reader's token
+    and DSN, on a free port rather than 9182 (`--bind`, so that another program on
+    the machine cannot answer for it): it serves, the token logs in, Ctrl-C ends it."""
+    body = _other_block("docs/operations/dashboard.md", "export NASIKO_QUEUE_DASHBOARD_TOKEN=…")
+    [export, command] = [line.split("#", 1)[0].strip() for line in body.splitlines()
+                         if line.strip()]
+    assert export == "export NASIKO_QUEUE_DASHBOARD_TOKEN=…"
+    argv = shlex.split(command.replace("postgresql://…", dsn))
+    assert argv[:2] == ["nasiko-queue", "dashboard"]
+    token = "t" * 32
+    env = {**example_env(dsn), "NASIKO_QUEUE_DASHBOARD_TOKEN": token, "PYTHONPATH": ""}
+    await _dashboard(dsn, tmp_path, argv[1:], env, token)
+
+
+async def test_the_dashboard_prints_the_lines_the_docs_show(dsn: str, tmp_path: Path) -> None:
+    """With no token set, the dashboard prints what the page shows (the token
+    aside), and its login URL logs in."""
+    shown = _other_block("docs/operations/dashboard.md",
+                         "dashboard on http://127.0.0.1:9182/ (actions need the token)")
+    env = {k: v for k, v in example_env(dsn).items() if k != "NASIKO_QUEUE_DASHBOARD_TOKEN"}
+    printed = await _dashboard(dsn, tmp_path, ["dashboard", "--dsn", dsn],
+                               {**env, "PYTHONPATH": ""}, None)
+    for line in shown.strip().splitlines():
+        pattern = re.escape(line.strip()).replace(re.escape("3q2-…"), r"\S+")
+        assert re.search(pattern, printed), (line, printed)
+
+
+def test_the_layout_names_every_module_and_migration() -> None:
+    """"Where things live": each module and migration it names exists, and each of
+    the package's modules and every migration is named (a new file is placed)."""
+    tree = _other_block("docs/design/layout.md", "docs/rules.md")
+    named = set(re.findall(r"\b[a-z_0-9]+\.py\b", tree))
+    modules = {p.name for p in (ROOT / "nasiko_queue").rglob("*.py") if p.name != "__init__.py"}
+    elsewhere = {p.name for d in ("benchmarks", "tests") for p in (ROOT / d).rglob("*.py")}
+    assert named - modules - elsewhere == set(), "named but gone"
+    assert modules - named == set(), "modules the layout does not place"
+    migrations = {p.name for p in (ROOT / "migrations").glob("*.sql")}
+    assert set(re.findall(r"\b\d{4}_\w+\.sql\b", tree)) == migrations

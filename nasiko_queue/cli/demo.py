@@ -52,7 +52,7 @@ from ..executors import Executors, JobContext
 from ..queue import Queue
 from ..secrets import SecretBox, generate_master_key
 from ..testing import enqueue_with_target, insert_agent, insert_agent_build
-from .demo_queue import SimulatedCrash, TourRow, render_tour, run_tour
+from .demo_queue import TOUR_QUEUES, SimulatedCrash, TourRow, render_tour, run_tour
 
 #: Seconds each simulated build step takes in the demo; tests pass 0.
 DEFAULT_DELAY = 0.3
@@ -545,6 +545,8 @@ async def _run_demo(
 async def _refuse_busy(db: Database) -> None:
     counts = {row["status"]: row["n"] for row in await db.fetch(Q.jobs_count_by_status)}
     busy = counts.get("pending", 0) + counts.get("in_progress", 0)
+    # The tour's worker would run (and give back, unknown) plain jobs of its queues.
+    busy += await db.fetchval(Q.demo_plain_unfinished, [*TOUR_QUEUES, "workflows"])
     if busy:
         raise BusyDatabase(
             f"the database has {busy} unfinished job(s); the demo's simulated executors would "

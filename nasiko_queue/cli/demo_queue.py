@@ -17,7 +17,7 @@ when one differs.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import ClassVar
 from uuid import UUID
 
@@ -32,7 +32,7 @@ from ..admin.view import job_view
 from ..config import QueueConfig
 from ..db.database import Database
 from ..engine.worker import Worker
-from ..errors import JobFailed
+from ..errors import JobFailed, RunFailed
 from ..executors import Executors, PlainJobContext
 from ..job_admin import retry
 from ..plain.args import Backoff, JobArgs, JobOptions
@@ -174,14 +174,22 @@ async def run_tour(db: Database, *, give_up_after: float) -> list[TourRow]:
     world = _World()
     rows: list[TourRow] = []
     worker = Worker(queue, _executors(world), schedules=SCHEDULES)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.move_on_after(give_up_after) as waited:
+    with trio.move_on_after(give_up_after) as waited:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
             await _tour(db, queue, world, rows)
-        if waited.cancelled_caught:
-            rows.append(TourRow("the tour", "gave up waiting", "finished"))
-        worker.stop()
+            worker.stop()
+    if waited.cancelled_caught:  # the worker was cancelled with the rest
+        rows.append(TourRow("the tour", "gave up waiting", "finished"))
     return rows
+
+
+async def _ended(job: Awaitable[object]) -> str:
+    """What a job (or run) came back with, or how it failed: a row's observation."""
+    try:
+        return str(await job)
+    except (JobFailed, RunFailed) as exc:
+        return str(exc)
 
 
 async def _tour(db: Database, queue: Queue, world: _World, rows: list[TourRow]) -> None:
@@ -191,17 +199,18 @@ async def _tour(db: Database, queue: Queue, world: _World, rows: list[TourRow]) 
     image = await queue.enqueue(Thumbnail(url="https://cdn.example.com/cat.jpg"))
     run_id = await queue.start(report, Report(["north", "south", "east", "west"]))
 
-    sent = [await queue.result(job) for job in emails]
-    rows.append(TourRow("3 emails on queue 'email'", f"{len(sent)} sent",
-                        "3 sent"))
-    charged = await queue.result(card)
+    sent = [await _ended(queue.result(job)) for job in emails]
+    rows.append(TourRow("3 emails on queue 'email'", "; ".join(sent), "; ".join(
+        f"sent to user{n}@example.com" for n in range(3))))
+    charged = await _ended(queue.result(card))
     rows.append(TourRow("a card charge that fails twice",
                         f"{charged}, attempt {await _attempt(db, card)}",
                         "charged 1999 cents, attempt 3"))
     rows.append(TourRow("a def executor's result, awaited",
-                        await queue.result(image), "https://cdn.example.com/cat-64.png"))
+                        await _ended(queue.result(image)),
+                        "https://cdn.example.com/cat-64.png"))
     rows.append(TourRow("a workflow fanning out over 4 regions",
-                        f"total {await queue.run_result(run_id)}", "total 1000"))
+                        f"total {await _ended(queue.run_result(run_id))}", "total 1000"))
     try:
         await queue.result(dead)
         first = "ran"
@@ -211,7 +220,7 @@ async def _tour(db: Database, queue: Queue, world: _World, rows: list[TourRow]) 
                         "discarded after 2 attempts"))
     world.mail_server_up = True  # the operator fixes the mail server, then:
     await retry(db, dead, actor="demo")  # `nasiko-queue jobs retry ID`
-    rows.append(TourRow("... retried from the dead letters", await queue.result(dead),
+    rows.append(TourRow("... retried from the dead letters", await _ended(queue.result(dead)),
                         "notified ops@example.com"))
     await world.ticked.wait()
     rows.append(TourRow("a cron schedule, every second", "ticked", "ticked"))

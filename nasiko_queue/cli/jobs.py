@@ -51,7 +51,7 @@ from ..plain.args import (
     check_run_at,
     delay_seconds,
 )
-from ..queue import Queue, plain_json_payload
+from ..queue import Queue, plain_json_payload, unique_of
 from .common import (
     OperatorError,
     _Age,
@@ -371,20 +371,25 @@ def _did_you_mean(kind: str, known: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def check_registered(executors: Executors, kind: str, args: dict[str, Any],
-                     spec: str) -> type[JobArgs]:
-    """The type `executors` runs `kind` with; refuse a kind it does not run, or
-    arguments its type would not decode."""
+def check_registered(executors: Executors, kind: str, args: dict[str, Any], spec: str,
+                     *, any_kind: bool = False) -> JobArgs | None:
+    """
+    The job `executors` would run for `kind` and `args` (decoded as the worker
+    decodes them): refuse a kind it does not run (None with `any_kind`), or
+    arguments its type would not decode.
+    """
     types = {t.kind: t for t in executors.plain_types}
     if kind not in types:
+        if any_kind:
+            return None
         raise InvalidPayload(f"{spec} registers no plain job of kind {kind!r}"
                              f"{_did_you_mean(kind, types)} (--any-kind enqueues it anyway)")
     try:
-        converter.structure(args, types[kind])
+        job: JobArgs = converter.structure(args, types[kind])
     except Exception as exc:
         raise InvalidPayload(f"invalid {kind} payload: {describe_structure_error(exc)}"
                              ) from None
-    return types[kind]
+    return job
 
 
 async def check_served(db: Database, kind: str) -> None:
@@ -450,15 +455,20 @@ def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str | Non
         plain_json_payload(kind, args)
         if run_at is not None and delay is not None:
             raise InvalidPayload("give --run-at or --delay, not both")
-        typed = JobOptions()
-        if executors_spec is not None and not any_kind:
-            typed = check_registered(load_executors(executors_spec), kind, args,
-                                     executors_spec).options
+        job = None
+        if executors_spec is not None:
+            job = check_registered(load_executors(executors_spec), kind, args,
+                                   executors_spec, any_kind=any_kind)
+        # A registered kind is enqueued as `Queue.enqueue` enqueues its type: its
+        # options and its unique key, unless flags say otherwise.
+        typed = job.options if job is not None else JobOptions()
         options = attrs.evolve(
             typed, queue=typed.queue if queue is None else queue,
             priority=typed.priority if priority is None else priority,
             max_attempts=typed.max_attempts if max_attempts is None else max_attempts)
         unique = Unique(unique_key) if unique_key is not None else None
+        if job is not None:
+            unique = unique_of(job, options, unique)
     except json.JSONDecodeError as exc:
         raise OperatorError(f"JSON is not valid JSON ({exc})") from None
     except (InvalidPayload, ValueError) as exc:
@@ -474,6 +484,7 @@ def enqueue_command(kind: str, args_json: str, dsn: str | None, queue: str | Non
 
     job_id, inserted = _run(dsn, go)
     if not inserted:
-        click.echo(f"job {job_id} already holds unique key {unique_key!r}: nothing enqueued",
+        held = unique.key if unique is not None else unique_key
+        click.echo(f"job {job_id} already holds unique key {held!r}: nothing enqueued",
                    err=True)
     click.echo(str(job_id))

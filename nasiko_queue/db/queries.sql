@@ -312,6 +312,12 @@ WHERE to_regtype(quote_ident(t.name)) IS NOT NULL;
 -- original's HTTP handlers and executors). The library uses them only in
 -- `nasiko_queue.testing` and the demo, which play the application's part.
 
+-- name: demo_plain_unfinished
+-- The demo's refusal of a busy database: plain jobs waiting or running in the
+-- queues ($1) its own worker would run.
+SELECT count(*) FROM nasiko_queue_jobs
+WHERE state IN ('available', 'running') AND queue = ANY($1::text[]);
+
 -- name: agent_insert
 -- An agent as the upload enqueue point creates it ($4: status, 'deploying').
 INSERT INTO agents (owner_id, name, status, deleted_at)

@@ -53,6 +53,7 @@ class Queries:
     migrations_tables_present: str
     migrations_table_columns: str
     migrations_types_present: str
+    demo_plain_unfinished: str
     agent_insert: str
     agent_build_insert: str
     connector_insert: str
