@@ -3,7 +3,7 @@ Enqueue from any application (issue #26): one plain job per call, each call its
 own transaction, through
 
 * ``queue``: `Queue.enqueue` on trio (trio-asyncio + asyncpg), the reference;
-* ``sql``:   ``SELECT nasiko_queue_enqueue(...)`` on one bare asyncpg connection
+* ``sql``:   ``SELECT nasiko_queue.nasiko_queue_enqueue(...)`` on one bare asyncpg connection
              on a plain asyncio loop (what any driver pays; the payload built by hand);
 * ``aio``:   `nasiko_queue.aio.enqueue` on one asyncpg connection (the codec, then
              the SQL function);
@@ -26,12 +26,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any, ClassVar
 
-import asyncpg
 import attrs
 import trio
 
 from nasiko_queue import JobArgs, JobOptions, Queue, aio, open_database
 from nasiko_queue import sync as nq_sync
+
+from .connect import connect
 
 
 @attrs.frozen(kw_only=True)
@@ -67,9 +68,9 @@ def _queue(dsn: str, jobs: int) -> float:
 
 def _sql(dsn: str, jobs: int) -> float:
     async def main() -> float:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
-            sql = "SELECT nasiko_queue_enqueue($1, $2::jsonb, queue => $3)"
+            sql = "SELECT nasiko_queue.nasiko_queue_enqueue($1, $2::jsonb, queue => $3)"
             start = time.perf_counter()
             for n in range(jobs):
                 await conn.fetchval(sql, Note.kind, json.dumps({"n": n, "text": TEXT}),
@@ -83,7 +84,7 @@ def _sql(dsn: str, jobs: int) -> float:
 
 def _aio(dsn: str, jobs: int) -> float:
     async def main() -> float:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             start = time.perf_counter()
             for n in range(jobs):

@@ -40,11 +40,12 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-import asyncpg
 import attrs
 import trio
 
 from nasiko_queue import Executors, JobArgs, JobOptions, PlainJobContext, aio
+
+from .connect import create_pool
 
 #: The queue of the benchmark's jobs.
 QUEUE = "burst_end"
@@ -154,7 +155,7 @@ async def _prepare(dsn: str) -> None:
 
 
 async def _measure(dsn: str, rounds: int, poll: float) -> dict[str, Any]:
-    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=4)
+    pool = await create_pool(dsn, min_size=2, max_size=4)
     try:
         # The worker is up once it has run a job.
         await aio.result(pool, await aio.enqueue(pool, BurstJob()), timeout=60)

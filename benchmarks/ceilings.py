@@ -27,6 +27,8 @@ from nasiko_queue.config import MAX_PAYLOAD_BYTES
 from nasiko_queue.db.database import ENGINE_SERVER_SETTINGS
 from nasiko_queue.db.statements import Q
 
+from .connect import connect
+
 T = TypeVar("T")
 
 CLAIM_ONE = """
@@ -42,7 +44,7 @@ def one_per_transaction(dsn: str, n_jobs: int, connections: int) -> float:
     """Ceiling (a): jobs/s for draining `n_jobs` pending jobs."""
 
     async def main() -> float:
-        conns = [await asyncpg.connect(dsn) for _ in range(connections)]
+        conns = [await connect(dsn) for _ in range(connections)]
         try:
             async def loop(conn: asyncpg.Connection) -> int:
                 n = 0
@@ -96,7 +98,7 @@ def same_sql(dsn: str, n_jobs: int, batch: int, streams: int = 1) -> float:
 
     async def main() -> float:
         # The engine runs these statements with generic plans kept; so does this.
-        conns = [await asyncpg.connect(dsn, server_settings=ENGINE_SERVER_SETTINGS)
+        conns = [await connect(dsn, server_settings=ENGINE_SERVER_SETTINGS)
                  for _ in range(streams)]
         try:
             t0 = time.perf_counter()
@@ -152,7 +154,7 @@ def enqueue_loop(dsn: str, statement: str, rows: list[tuple[Any, ...]]) -> float
     """Ceiling e1: jobs/s for `statement` run once per row (its own transaction)."""
 
     async def main() -> float:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             t0 = time.perf_counter()
             for row in rows:
@@ -175,7 +177,7 @@ def enqueue_bulk(dsn: str, statement: str, columns: tuple[list[Any], ...],
     n = len(copy_records)
 
     async def main() -> dict[str, float]:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             t0 = time.perf_counter()
             await conn.execute(statement, *columns)
@@ -209,7 +211,7 @@ def listen_ping_pong(dsn: str, n: int, rate: float) -> dict[str, Any]:
     """Ceiling L: p50/p95/p99/max of `n` NOTIFY round trips, one every 1/rate s (ms)."""
 
     async def main() -> dict[str, Any]:
-        a, b = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        a, b = await connect(dsn), await connect(dsn)
         try:
             loop = asyncio.get_running_loop()
             answers: asyncio.Queue[float] = asyncio.Queue()

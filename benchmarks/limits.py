@@ -34,12 +34,13 @@ import time
 import uuid
 from typing import Any
 
-import asyncpg
 import trio
 
 from nasiko_queue import Queue, Rate, migrate, open_database
 from nasiko_queue.config import QueueConfig
 from nasiko_queue.db.statements import Q
+
+from .connect import connect
 
 QUEUE = "bench_limits"
 #: Jobs waiting at the start of each measurement: more than any run claims.
@@ -66,7 +67,7 @@ def _claimer(dsn: str, sql: str, old: bool, seconds: float, start_at: float, out
     """One claiming process: finish the previous job and claim one, back to back."""
 
     async def run() -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         bound = QueueConfig().max_payload_bytes
         worker = uuid.uuid4()
         held: list[tuple[uuid.UUID, uuid.UUID]] = []  # (job, its claim's token)

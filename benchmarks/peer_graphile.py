@@ -36,7 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import trio
 
 from nasiko_queue import Executors, PlainJobContext, Queue, open_database
@@ -45,6 +44,7 @@ from nasiko_queue.db.migrate import migrate
 from nasiko_queue.engine.worker import Worker
 
 from . import ceilings, job_costs, workloads
+from .connect import connect
 from .plain import BenchPing
 from .workloads import ROOT, _bench_config, _child_env, _enqueue_times, plain_asyncio
 
@@ -306,7 +306,7 @@ def gw_wake(where: Path, dsn: str, n: int, rate: float) -> dict[str, Any]:
 
 async def _server_mark(dsn: str) -> tuple[float, dict[int, float] | None]:
     """The WAL position, and the CPU of every client backend of `dsn`'s database."""
-    conn = await asyncpg.connect(dsn)
+    conn = await connect(dsn)
     try:
         pids = [r["pid"] for r in await conn.fetch(job_costs.BACKENDS)
                 if r["pid"] != conn.get_server_pid()]

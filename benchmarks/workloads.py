@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
-import asyncpg
 import attrs
 import trio
 
@@ -48,6 +47,7 @@ from nasiko_queue.secrets import SecretBox  # -- enqueue (issue #13)
 from nasiko_queue.testing import make_payload
 
 from . import ceilings  # -- enqueue (issue #13)
+from .connect import connect
 from .plain import BENCH_QUEUE, BenchPing
 
 T = TypeVar("T")
@@ -57,7 +57,7 @@ _CODEC = PayloadCodec()
 
 def _sql(dsn: str, *statements: str) -> None:
     async def main() -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             for s in statements:
                 await conn.execute(s)
@@ -102,7 +102,7 @@ def prepare_agents(dsn: str, n: int) -> list[tuple[uuid.UUID, uuid.UUID, uuid.UU
     rows = [(uuid.uuid4(), uuid.uuid4(), uuid.uuid4()) for _ in range(n)]
 
     async def main() -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             await conn.copy_records_to_table(
                 "agents", columns=["id", "owner_id", "name", "status"],
@@ -123,7 +123,7 @@ def prepare_jobs(dsn: str, n: int) -> None:
     rows = prepare_agents(dsn, n)
 
     async def main() -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             await conn.copy_records_to_table(
                 "build_jobs", columns=["agent_id", "owner_id", "payload"],
@@ -439,7 +439,7 @@ async def _explain_generic(dsn: str, sql: str, args: tuple[object, ...],
     transaction that is rolled back. The buffers are the noise-free figure:
     pages the claim touched, whatever the machine is doing.
     """
-    conn = await asyncpg.connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
+    conn = await connect(dsn, server_settings={"plan_cache_mode": "force_generic_plan"})
     plans: list[dict[str, Any]] = []
     try:
         await conn.execute("PREPARE flat_claim AS\n" + sql)
@@ -531,7 +531,7 @@ def _sibling_database(dsn: str, suffix: str) -> str:
     name = _count_text(dsn, "SELECT current_database()") + suffix
 
     async def create() -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             await conn.execute(f'CREATE DATABASE "{name}"')
@@ -556,7 +556,7 @@ def _drop_database(dsn: str, other: str) -> None:
 
 def _count_text(dsn: str, query: str) -> str:
     async def main() -> str:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             value: str = await conn.fetchval(query)
             return value
@@ -624,7 +624,7 @@ async def _wait_drained(dsn: str, t0: float) -> None:
     connection: a new connection per look (a server process forked and
     authenticated 50 times a second) took CPU from the very processes measured.
     """
-    conn = await asyncpg.connect(dsn)
+    conn = await connect(dsn)
     try:
         while await conn.fetchval(
                 "SELECT count(*) FROM build_jobs WHERE status IN ('pending', 'in_progress')"):
@@ -751,7 +751,7 @@ def history(dsn: str, history_rows: int, claims: int, pending: int = 1000) -> di
 
 def _count(dsn: str, query: str) -> int:
     async def main() -> int:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             value: int = await conn.fetchval(query)
             return value
@@ -789,7 +789,7 @@ def replicas(dsn: str, n_jobs: int, processes: int, concurrency: int) -> dict[st
         rows = prepare_agents(dsn, n_jobs)
 
         async def insert() -> None:
-            conn = await asyncpg.connect(dsn)
+            conn = await connect(dsn)
             try:
                 await conn.copy_records_to_table(
                     "build_jobs", columns=["agent_id", "owner_id", "payload"],
@@ -1001,7 +1001,7 @@ def _prepare_queued_jobs(dsn: str, n: int) -> None:
     rows = [(uuid.uuid4(), uuid.uuid4(), uuid.uuid4()) for _ in range(n)]
 
     async def main() -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await connect(dsn)
         try:
             await conn.copy_records_to_table(
                 "agents", columns=["id", "owner_id", "name", "status"],

@@ -6,15 +6,15 @@ No trio loop runs here: each call is one statement (or a few) on the asyncpg
 connection the caller gives, so an enqueue made on a connection inside
 ``async with conn.transaction():`` commits or vanishes with the caller's own
 rows, and its NOTIFY is sent only if it commits. Jobs are encoded by the codec
-`Queue.enqueue` uses and inserted by the SQL function `nasiko_queue_enqueue`
-(migration 0019), which applies `Queue.enqueue`'s defaults and checks: one rule
-for every entry point. Plain jobs only: a build job is enqueued with its target
-by `Queue.enqueue` (the function refuses the build kinds).
+`Queue.enqueue` uses and inserted by the SQL function
+`nasiko_queue.nasiko_queue_enqueue` (migration 0019; named with the queue's
+schema, so the connection's search path need not know it), which applies
+`Queue.enqueue`'s defaults and checks: one rule for every entry point. Plain jobs
+only: a build job is enqueued with its target by `Queue.enqueue` (the function
+refuses the build kinds).
 
-The loop: `import nasiko_queue` imports trio-asyncio, which makes
-`asyncio.new_event_loop()` (so `asyncio.run`) build trio-asyncio's synchronous
-loop in a thread that set no event loop policy; pass a loop factory (uvicorn does)
-or set `asyncio.DefaultEventLoopPolicy()` to keep a plain asyncio loop.
+Importing this module leaves asyncio as it was: no trio-asyncio loop or policy
+is set up outside a trio run the library starts.
 
 >>> job_id = await aio.enqueue(pool, SendEmail(to="a@example.com", subject="hi"))
 >>> async with pool.acquire() as conn, conn.transaction():

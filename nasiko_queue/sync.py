@@ -1,7 +1,8 @@
 """
 Enqueue from synchronous code (Django, Flask, scripts) over any DB-API connection.
 
-`enqueue(connection_or_cursor, job)` runs one ``SELECT nasiko_queue_enqueue(...)``
+`enqueue(connection_or_cursor, job)` runs one
+``SELECT nasiko_queue.nasiko_queue_enqueue(...)``
 (migration 0019) on the caller's connection, so it is part of whatever
 transaction that connection is in: inside Django's ``transaction.atomic()`` the
 job commits with the view's rows or vanishes with them, and its NOTIFY (which

@@ -77,7 +77,7 @@ def on_pool(dsn: str, fn: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
 
 
 async def payloads(pool: asyncpg.Pool) -> dict[UUID, dict[str, Any]]:
-    rows = await pool.fetch("SELECT id, payload::text AS p FROM nasiko_queue_jobs")
+    rows = await pool.fetch("SELECT id, payload::text AS p FROM nasiko_queue.nasiko_queue_jobs")
     return {r["id"]: json.loads(r["p"]) for r in rows}
 
 
@@ -100,7 +100,7 @@ def test_enqueue_joins_the_callers_transaction(dsn: str) -> None:
         assert await pool.fetchval("SELECT array_agg(url) FROM images") == ["a.png"]
         assert list(await payloads(pool)) == [kept]
         row = await pool.fetchrow("SELECT queue, priority, max_attempts, state FROM "
-                                  "nasiko_queue_jobs WHERE id = $1", kept)
+                                  "nasiko_queue.nasiko_queue_jobs WHERE id = $1", kept)
         assert tuple(row) == ("images", 2, 4, "available")
 
     on_pool(dsn, main)
@@ -120,7 +120,7 @@ def test_the_codec_is_the_trio_apis(dsn: str) -> None:
         decoded = PayloadCodec(types=[Resize], secrets=MASTER_KEY).decode_args(stored)
         assert decoded == job
         plain = Resize(url="é.png", width=3)
-        await pool.execute("DELETE FROM nasiko_queue_jobs WHERE id = $1", job_id)
+        await pool.execute("DELETE FROM nasiko_queue.nasiko_queue_jobs WHERE id = $1", job_id)
         await aio.enqueue(pool, plain)
         [stored] = (await payloads(pool)).values()
         assert stored == json.loads(PayloadCodec().dumps(plain))
@@ -134,7 +134,7 @@ def test_options_unique_and_bad_input(dsn: str) -> None:
                                   options=JobOptions(queue="other"), delay=60)
         assert await aio.enqueue(pool, Resize(url="u2"), unique=Unique("u")) == first
         row = await pool.fetchrow("SELECT queue, run_at > now() AS later FROM "
-                                  "nasiko_queue_jobs WHERE id = $1", first)
+                                  "nasiko_queue.nasiko_queue_jobs WHERE id = $1", first)
         assert tuple(row) == ("other", True)
         with pytest.raises(TypeError, match="only plain jobs"):
             await aio.enqueue(pool, nq.StandaloneBuild(  # type: ignore[arg-type]
@@ -144,7 +144,7 @@ def test_options_unique_and_bad_input(dsn: str) -> None:
             await aio.enqueue(pool, Resize(url="x"), run_at=naive)
         with pytest.raises(nq.PayloadTooLarge):
             await aio.enqueue(pool, Resize(url="x" * 200), max_payload_bytes=100)
-        assert await pool.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 1
+        assert await pool.fetchval("SELECT count(*) FROM nasiko_queue.nasiko_queue_jobs") == 1
 
     on_pool(dsn, main)
 
@@ -176,7 +176,7 @@ def test_enqueue_many(dsn: str) -> None:
             with pytest.raises(ValueError, match=r"jobs\[1\]: delay is 0 to"):
                 await aio.enqueue_many(pool, [Resize(url="ok"), Job(Resize(url="x"), delay=bad)])
         assert await aio.enqueue_many(pool, []) == []
-        assert await pool.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 3
+        assert await pool.fetchval("SELECT count(*) FROM nasiko_queue.nasiko_queue_jobs") == 3
 
     on_pool(dsn, main)
 
@@ -194,7 +194,8 @@ def test_cancel(dsn: str) -> None:
         with pytest.raises(ResultTimeout):
             await aio.result(pool, await aio.enqueue(pool, Resize(url="t")), timeout=0.05)
         # The timed-out wait took its record with it.
-        assert await pool.fetchval("SELECT count(*) FROM nasiko_queue_result_waits") == 0
+        assert await pool.fetchval("SELECT count(*) FROM "
+                                   "nasiko_queue.nasiko_queue_result_waits") == 0
 
     on_pool(dsn, main)
 
@@ -253,7 +254,8 @@ def test_worker_thread_graceful_stop_finishes_the_job_in_flight(dsn: str) -> Non
         thread.stop()
 
     async def states(pool: asyncpg.Pool) -> dict[UUID, tuple[str, str | None]]:
-        rows = await pool.fetch("SELECT id, state, result::text AS r FROM nasiko_queue_jobs")
+        rows = await pool.fetch("SELECT id, state, result::text AS r FROM "
+                                "nasiko_queue.nasiko_queue_jobs")
         return {r["id"]: (r["state"], r["r"]) for r in rows}
 
     found = on_pool(dsn, states)
@@ -291,7 +293,7 @@ def test_worker_thread_hard_stop_past_its_timeout_puts_the_job_back(dsn: str) ->
     assert not thread.running
 
     async def row(pool: asyncpg.Pool) -> tuple[str, int]:
-        found = await pool.fetchrow("SELECT state, attempt FROM nasiko_queue_jobs "
+        found = await pool.fetchrow("SELECT state, attempt FROM nasiko_queue.nasiko_queue_jobs "
                                     "WHERE id = $1", job_id)
         return found["state"], found["attempt"]
 
@@ -328,7 +330,9 @@ def test_fastapi_app_serves_while_jobs_run_and_stops_gracefully(dsn: str) -> Non
 
     @app.get("/count")
     async def count() -> dict[str, int]:
-        return {"jobs": await app.state.pool.fetchval("SELECT count(*) FROM nasiko_queue_jobs")}
+        jobs: int = await app.state.pool.fetchval(
+            "SELECT count(*) FROM nasiko_queue.nasiko_queue_jobs")
+        return {"jobs": jobs}
 
     with TestClient(app, backend_options=PLAIN_ASYNCIO) as client:
         job_id = UUID(client.post("/resize", params={"url": "slow"}).json()["job"])
@@ -343,7 +347,8 @@ def test_fastapi_app_serves_while_jobs_run_and_stops_gracefully(dsn: str) -> Non
     # Out of the block: the lifespan ended, so the worker thread has stopped.
 
     async def row(pool: asyncpg.Pool) -> tuple[str, str]:
-        found = await pool.fetchrow("SELECT state, result::text AS r FROM nasiko_queue_jobs "
+        found = await pool.fetchrow("SELECT state, result::text AS r FROM "
+                                    "nasiko_queue.nasiko_queue_jobs "
                                     "WHERE id = $1", job_id)
         return found["state"], found["r"]
 
@@ -382,7 +387,7 @@ def test_a_result_wait_whose_connection_drops_does_not_hang(dsn: str, given: str
             async with asyncio.timeout(TEST_DEADLINE):
                 # Until the wait is recorded: its LISTEN is up.
                 while not await pool.fetchval(  # noqa: ASYNC110
-                        "SELECT count(*) FROM nasiko_queue_result_waits"):
+                        "SELECT count(*) FROM nasiko_queue.nasiko_queue_result_waits"):
                     await asyncio.sleep(0.005)
                 async with pool.acquire() as killer:
                     assert await killer.fetchval(TERMINATE_OTHERS) >= 1
@@ -391,7 +396,8 @@ def test_a_result_wait_whose_connection_drops_does_not_hang(dsn: str, given: str
                             await waiting
                         return
                     await killer.execute(
-                        "UPDATE nasiko_queue_jobs SET state = 'completed', finished_at = now(), "
+                        "UPDATE nasiko_queue.nasiko_queue_jobs SET state = 'completed', "
+                        "finished_at = now(), "
                         "result = '{\"url\": \"r\", \"width\": 7}' WHERE id = $1", job_id)
                 assert await waiting == Thumbnail(url="r", width=7)
 
@@ -409,7 +415,7 @@ def test_a_result_wait_on_a_pool_closed_under_it_says_so(dsn: str) -> None:
         waiting = asyncio.create_task(aio.result(pool, job_id))
         async with asyncio.timeout(TEST_DEADLINE):
             while not await pool.fetchval(  # noqa: ASYNC110
-                    "SELECT count(*) FROM nasiko_queue_result_waits"):
+                    "SELECT count(*) FROM nasiko_queue.nasiko_queue_result_waits"):
                 await asyncio.sleep(0.005)
             pool.terminate()
             with pytest.raises(ConnectionError, match="closed while waiting"):

@@ -20,7 +20,8 @@ def test_every_way_enqueues_its_jobs(dsn: str) -> None:
     assert all(len(s) == 2 and min(s) > 0 for s in result["samples"].values())
     assert result["vs_queue"]["queue"] == 1.0
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*), count(DISTINCT payload) FROM nasiko_queue_jobs "
+        row = conn.execute("SELECT count(*), count(DISTINCT payload) "
+                           "FROM nasiko_queue.nasiko_queue_jobs "
                            "WHERE kind = 'bench_note' AND queue = 'bench_any_app'").fetchone()
     # 20 jobs per way per round, and the trio queue's one warm-up enqueue per round;
     # the payloads repeat across ways and rounds (n = 0..19, and -1).

@@ -54,7 +54,7 @@ def jobs(dsn: str) -> list[dict[str, Any]]:
     with psycopg.connect(dsn) as conn:
         cur = conn.execute(
             "SELECT id, queue, kind, payload, state, priority, max_attempts, run_at > now() "
-            "AS later, unique_key, unique_states FROM nasiko_queue_jobs "
+            "AS later, unique_key, unique_states FROM nasiko_queue.nasiko_queue_jobs "
             "ORDER BY priority, run_at, id")
         names = [c.name for c in cur.description or ()]
         return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
@@ -65,12 +65,13 @@ def test_from_asyncpg_in_the_callers_transaction(dsn: str) -> None:
     async def enqueue(conn: asyncpg.Connection) -> tuple[UUID, UUID]:
         async with conn.transaction():
             kept = await conn.fetchval(
-                "SELECT nasiko_queue_enqueue('send_email', $1::jsonb)", '{"to": "a@x"}')
+                "SELECT nasiko_queue.nasiko_queue_enqueue('send_email', "
+                "$1::jsonb)", '{"to": "a@x"}')
         tx = conn.transaction()
         await tx.start()
-        lost = await conn.fetchval("SELECT nasiko_queue_enqueue('send_email', '{}')")
+        lost = await conn.fetchval("SELECT nasiko_queue.nasiko_queue_enqueue('send_email', '{}')")
         # Seen inside the transaction that made it ...
-        assert await conn.fetchval("SELECT count(*) FROM nasiko_queue_jobs") == 2
+        assert await conn.fetchval("SELECT count(*) FROM nasiko_queue.nasiko_queue_jobs") == 2
         await tx.rollback()
         return kept, lost
 
@@ -90,14 +91,15 @@ def test_from_psycopg_in_the_callers_transaction(dsn: str) -> None:
         with conn.transaction():
             conn.execute("INSERT INTO orders VALUES (1)")
             kept = conn.execute(
-                "SELECT nasiko_queue_enqueue(%s, %s::jsonb, queue => %s, priority => %s, "
+                "SELECT nasiko_queue.nasiko_queue_enqueue(%s, %s::jsonb, queue => %s, priority "
+                "=> %s, "
                 "max_attempts => %s, delay => %s)",
                 ("ship", json.dumps({"order": 1}), "shipping", -5, 3, 60)).fetchone()
 
         def failing_view() -> None:
             with conn.transaction():
                 conn.execute("INSERT INTO orders VALUES (2)")
-                conn.execute("SELECT nasiko_queue_enqueue('ship', '{\"order\": 2}')")
+                conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue('ship', '{\"order\": 2}')")
                 raise ZeroDivisionError  # the view fails: its rows and its job go
 
         with pytest.raises(ZeroDivisionError):
@@ -133,7 +135,7 @@ def test_notify_at_commit_and_not_on_rollback(dsn: str) -> None:
                 tx = caller.transaction()
                 await tx.start()
                 for n in range(3):  # one NOTIFY per transaction, however many jobs
-                    await caller.execute("SELECT nasiko_queue_enqueue('k', $1::jsonb)",
+                    await caller.execute("SELECT nasiko_queue.nasiko_queue_enqueue('k', $1::jsonb)",
                                          json.dumps({"n": n}))
                 await (tx.commit() if commit else tx.rollback())
                 await caller.execute(f"NOTIFY {CHANNEL}, 'sentinel'")
@@ -181,7 +183,7 @@ def test_unique_keys(dsn: str) -> None:
     unless its states say otherwise."""
     def enqueue(conn: psycopg.Connection[Any], key: str, states: list[str] | None = None
                 ) -> UUID:
-        row = conn.execute("SELECT nasiko_queue_enqueue('k', '{}', unique_key => %s, "
+        row = conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', unique_key => %s, "
                            "unique_states => %s)", (key, states)).fetchone()
         assert row is not None
         job_id: UUID = row[0]
@@ -190,12 +192,14 @@ def test_unique_keys(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         first = enqueue(conn, "a")
         assert enqueue(conn, "a") == first
-        conn.execute("UPDATE nasiko_queue_jobs SET state = 'completed', finished_at = now() "
+        conn.execute("UPDATE nasiko_queue.nasiko_queue_jobs SET state = 'completed', finished_at "
+                     "= now() "
                      "WHERE id = %s", (first,))
         again = enqueue(conn, "a")
         assert again != first
         once = enqueue(conn, "b", ["available", "running", "completed"])
-        conn.execute("UPDATE nasiko_queue_jobs SET state = 'completed', finished_at = now() "
+        conn.execute("UPDATE nasiko_queue.nasiko_queue_jobs SET state = 'completed', finished_at "
+                     "= now() "
                      "WHERE id = %s", (once,))
         assert enqueue(conn, "b", ["available", "running", "completed"]) == once
     assert len(jobs(dsn)) == 3
@@ -212,24 +216,24 @@ def test_batch_form(dsn: str) -> None:
         {"kind": "a", "run_at": "2030-01-01T00:00:00+00:00"},
     ]
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+        row = conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many(%s::jsonb)",
                            (json.dumps(batch),)).fetchone()
         assert row is not None
         ids: list[UUID] = row[0]
         with pytest.raises(psycopg.errors.InvalidParameterValue,
                            match=r"jobs\[1\]: unknown key\(s\) \{prio\}"):
-            conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+            conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many(%s::jsonb)",
                          (json.dumps([{"kind": "c"}, {"kind": "c", "prio": 1}]),))
         with pytest.raises(psycopg.errors.InvalidParameterValue,
                            match=r"jobs\[0\]: wrong JSON type for \{max_attempts\}"):
-            conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+            conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many(%s::jsonb)",
                          (json.dumps([{"kind": "c", "max_attempts": "3"}]),))
         with pytest.raises(psycopg.errors.InvalidParameterValue,
                            match=r"jobs\[1\]: Upload is a build job's kind"):
-            conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+            conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many(%s::jsonb)",
                          (json.dumps([{"kind": "c"}, {"kind": "Upload"}]),))
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="a JSON array"):
-            conn.execute("SELECT nasiko_queue_enqueue_many('{}')")
+            conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many('{}')")
         # Values of the right JSON type that a cast refused with its bare message,
         # naming neither the job nor the key (found by a bug hunt).
         for bad, message in [
@@ -243,16 +247,16 @@ def test_batch_form(dsn: str) -> None:
             ({"run_at": "2030-01-01"}, r"jobs\[1\]: run_at needs a UTC offset"),
         ]:
             with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
-                conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+                conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many(%s::jsonb)",
                              (json.dumps([{"kind": "c"}, {"kind": "c", **bad}]),))
         # A whole number written as a float (Python's json.dumps(3.0)) is that number.
-        whole = conn.execute("SELECT nasiko_queue_enqueue_many(%s::jsonb)",
+        whole = conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue_many(%s::jsonb)",
                              (json.dumps([{"kind": "d", "priority": 3.0,
                                            "max_attempts": 2.0}]),)).fetchone()
         assert whole is not None
-        assert conn.execute("SELECT priority, max_attempts FROM nasiko_queue_jobs "
+        assert conn.execute("SELECT priority, max_attempts FROM nasiko_queue.nasiko_queue_jobs "
                             "WHERE id = %s", (whole[0][0],)).fetchone() == (3, 2)
-        conn.execute("DELETE FROM nasiko_queue_jobs WHERE id = %s", (whole[0][0],))
+        conn.execute("DELETE FROM nasiko_queue.nasiko_queue_jobs WHERE id = %s", (whole[0][0],))
     assert len(ids) == 5
     assert ids[3] == ids[1]
     found = {j["id"]: j for j in jobs(dsn)}
@@ -269,32 +273,38 @@ def test_batch_form(dsn: str) -> None:
 
 
 BAD_CALLS = [
-    ("SELECT nasiko_queue_enqueue('', '{}')", "a job kind is a non-empty string"),
-    ("SELECT nasiko_queue_enqueue(NULL, '{}')", "a job kind is a non-empty string"),
-    ("SELECT nasiko_queue_enqueue(repeat('k', 101), '{}')", "at most 100 characters"),
-    ("SELECT nasiko_queue_enqueue(E'a\\nb', '{}')", "no control characters"),
-    ("SELECT nasiko_queue_enqueue('GithubClone', '{}')", "GithubClone is a build job's kind"),
-    ("SELECT nasiko_queue_enqueue('k', '[1, 2]')",
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('', '{}')", "a job kind is a non-empty string"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue(NULL, '{}')", "a job kind is a non-empty string"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue(repeat('k', 101), '{}')", "at most 100 characters"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue(E'a\\nb', '{}')", "no control characters"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('GithubClone', "
+     "'{}')", "GithubClone is a build job's kind"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '[1, 2]')",
      "the arguments of a k job must be a JSON object, not array"),
-    ("SELECT nasiko_queue_enqueue('k', '\"text\"')", "must be a JSON object, not string"),
-    ("SELECT nasiko_queue_enqueue('k', '{\"kind\": \"other\"}')",
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', "
+     "'\"text\"')", "must be a JSON object, not string"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{\"kind\": \"other\"}')",
      "the arguments name kind \"other\", not 'k'"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', queue => '')", "a queue name is 1 to 128"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', queue => repeat('q', 129))",
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', queue => "
+     "'')", "a queue name is 1 to 128"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', queue => repeat('q', 129))",
      "a queue name is 1 to 128"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', queue => 'builds')",
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', queue => 'builds')",
      "'builds' is the name build jobs go by"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', priority => 40000)", "a priority is between"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', max_attempts => 0)", "max_attempts is at least 1"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', delay => -1)", "not negative"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', delay => 1, run_at => now())",
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', priority => "
+     "40000)", "a priority is between"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', max_attempts => "
+     "0)", "max_attempts is at least 1"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', delay => -1)", "not negative"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', delay => 1, run_at => now())",
      "give run_at or delay, not both"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', unique_key => '')", "a unique key is a non-empty"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', unique_states => '{available,running}')",
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', unique_key => "
+     "'')", "a unique key is a non-empty"),
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', unique_states => '{available,running}')",
      "unique_states without a unique_key"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', unique_key => 'u', "
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', unique_key => 'u', "
      "unique_states => '{available}')", "must include available and running"),
-    ("SELECT nasiko_queue_enqueue('k', '{}', unique_key => 'u', "
+    ("SELECT nasiko_queue.nasiko_queue_enqueue('k', '{}', unique_key => 'u', "
      "unique_states => '{available,running,done}')", "unknown job state"),
 ]
 
@@ -314,11 +324,11 @@ def test_malformed_args_and_size_limit(dsn: str) -> None:
     named); a payload over the limit by the function (54000, the sizes named)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         with pytest.raises(psycopg.errors.InvalidTextRepresentation, match="json"):
-            conn.execute("SELECT nasiko_queue_enqueue('k', %s::jsonb)", ("{to: 1",))
+            conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue('k', %s::jsonb)", ("{to: 1",))
         conn.execute("SET nasiko_queue.max_payload_bytes = 100")
         with pytest.raises(psycopg.errors.ProgramLimitExceeded,
                            match=r"k payload is \d+ bytes; the limit is 100"):
-            conn.execute("SELECT nasiko_queue_enqueue('k', %s::jsonb)",
+            conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue('k', %s::jsonb)",
                          (json.dumps({"x": "y" * 200}),))
     assert jobs(dsn) == []
 
@@ -345,7 +355,7 @@ async def test_notify_wakes_a_worker(db: Database, dsn: str) -> None:
     async with running(queue, executors) as worker:
         def enqueue() -> None:
             with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute("SELECT nasiko_queue_enqueue('ping', '{\"n\": 7}', "
+                conn.execute("SELECT nasiko_queue.nasiko_queue_enqueue('ping', '{\"n\": 7}', "
                              "queue => 'pings')")
 
         await trio.to_thread.run_sync(enqueue)

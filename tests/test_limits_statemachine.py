@@ -12,6 +12,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from nasiko_queue import Database, open_database
+from nasiko_queue.db.schema import SCHEMA
 from nasiko_queue.testing.limits_machine import (
     LimitsStateMachine,
     limits_profile,
@@ -78,7 +79,9 @@ async def _plant(db: Database, name: str) -> None:
     old, new = MUTANTS[name]
     text = _function(MIGRATION.read_text(), "nasiko_queue_limited_pick")
     assert text.count(old) == 1, f"mutant {name} plants nothing: update it"
-    await db.execute(text.replace(old, new))
+    # Into the queue's schema, where its callers find it (`nasiko_queue.db.schema`).
+    await db.execute(text.replace(old, new).replace(
+        "FUNCTION nasiko_queue_limited_pick(", f"FUNCTION {SCHEMA}.nasiko_queue_limited_pick(", 1))
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
             "0001", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
             "0011", "0012", "0013", "0014", "0015", "0016",
             "0017", "0018", "0019", "0020", "0021", "0022", "0023", "0024", "0025", "0026",
-            "0027", "0028", "0029", "0030", "0031", "0033", "0034", "0035", "0036", "0037"]
+            "0027", "0028", "0029", "0030", "0031", "0033", "0034", "0035", "0036", "0037", "0038"]
         assert await migrate(db) == []
         recorded = await db.fetch("SELECT version, name FROM nasiko_queue_migrations "
                                   "ORDER BY version")
@@ -54,7 +54,7 @@ async def test_migrate_applies_once_and_records(empty_dsn: str) -> None:
             ("0031", "enqueue_many_named_errors"), ("0033", "bounded_transitions"),
             ("0034", "run_end_meets_claims"),
             ("0035", "limited_pick_snapshot"), ("0036", "limited_pick_tokens"),
-            ("0037", "bounded_run_ends")]
+            ("0037", "bounded_run_ends"), ("0038", "own_schema")]
         cols = {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"])
                 for r in await db.fetch(
                     "SELECT column_name, data_type, is_nullable, column_default "

@@ -135,7 +135,7 @@ MUTANTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     # The cancel restates its rule in three parts of one snapshot (issue #20): a
     # cancel that waits for a claim is lost.
     "cancel_in_three_parts": lambda mp: plant_sql(mp, nasiko_queue.queue, plain_cancel=(
-        "SELECT nasiko_queue_cancel($1)", THREE_PART_CANCEL)),
+        "SELECT nasiko_queue.nasiko_queue_cancel($1)", THREE_PART_CANCEL)),
     # -- issue #24: a mutant of each kind the machine's newer rules cover --
     # `enqueue` drops an explicit run_at: the job is due after its delay (0), at once.
     "insert_ignores_run_at": lambda mp: plant_sql(

@@ -32,7 +32,7 @@ class SendEmail(JobArgs):
 def stored(dsn: str) -> dict[UUID, tuple[str, dict[str, Any], int]]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute("SELECT id, queue, payload::text, max_attempts "
-                            "FROM nasiko_queue_jobs").fetchall()
+                            "FROM nasiko_queue.nasiko_queue_jobs").fetchall()
     return {r[0]: (r[1], json.loads(r[2]), r[3]) for r in rows}
 
 

@@ -23,6 +23,7 @@ from asyncpg import exceptions as pg
 from nasiko_queue import Database, DatabaseConfig, Queue, open_database
 from nasiko_queue.builds.store import PgJobStore
 from nasiko_queue.cli.worker import _unreachable
+from nasiko_queue.db.database import join_schema
 from nasiko_queue.engine.contracts import MAX_ATTEMPTS_EXCEEDED, RecoveryResult
 from nasiko_queue.errors import OutcomeUnknown, is_connection_error, is_transient
 from nasiko_queue.testing import KINDS, enqueue_with_target
@@ -92,8 +93,10 @@ def test_the_cli_waits_out_the_same_errors_and_reports_a_host_that_does_not_reso
 
 @asynccontextmanager
 async def _locked(dsn: str, table: str, row_id: Any) -> AsyncIterator[None]:
-    """Another session holds a row lock (an application's long transaction)."""
+    """Another session holds a row lock (an application's long transaction), on a
+    connection that finds the queue's tables as the queue's own do."""
     conn = await asyncpg.connect(dsn)
+    await join_schema(conn)
     try:
         tx = conn.transaction()
         await tx.start()

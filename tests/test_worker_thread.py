@@ -168,7 +168,8 @@ def test_an_interrupted_stop_still_puts_the_running_job_back(
         thread.stop(timeout=None)
     assert not thread.running
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT state, attempt FROM nasiko_queue_jobs WHERE id = %s",
+        row = conn.execute("SELECT state, attempt FROM nasiko_queue.nasiko_queue_jobs "
+                           "WHERE id = %s",
                            (job_id,)).fetchone()
     assert row == ("available", 1)
 

@@ -14,12 +14,15 @@ one of the application's tables in such a database.
 
 A file is run as usual where none of its tables exists (a new database: the
 demo's, the tests', an application that wants build jobs from scratch), and
-refused with the missing names where only some do, or where a column is
-missing: adopting half an application would be a guess.
+refused where a column is missing. Where only some of them exist, they are
+the application's own tables that happen to share a name (an ``agents`` table
+of its own): nothing is adopted, and the file creates the build tables in the
+queue's schema beside them (`nasiko_queue.db.schema`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import asyncpg
@@ -27,6 +30,8 @@ import attrs
 
 from ..errors import MigrationError
 from .statements import Q
+
+log = logging.getLogger("nasiko_queue.migrate")
 
 
 @attrs.frozen
@@ -84,11 +89,11 @@ async def adopts(conn: asyncpg.Connection, version: str, name: str) -> bool:
     """
     Whether migration `version` is to be adopted rather than run: True when the
     application made every table it creates (each checked for the queue's
-    columns), False when it made none of them.
+    columns), False when it made none or only some of them.
 
     Raises:
-        MigrationError: some of its tables exist and others do not, or one
-            lacks a column the queue needs, or a type it needs is missing.
+        MigrationError: its tables all exist, but one lacks a column the queue
+            needs, or a type it needs is missing.
     """
     adoptable = ADOPTABLE.get(version)
     if adoptable is None:
@@ -99,11 +104,16 @@ async def adopts(conn: asyncpg.Connection, version: str, name: str) -> bool:
         return False
     where = f"migration {version}_{name}"
     if len(present) != len(created):
-        missing = sorted(set(created) - present)
-        raise MigrationError(
-            f"{where} creates the application's tables {sorted(created)}; this database has "
-            f"{sorted(present)} but not {missing}. The queue adopts an application's tables "
-            "only when they are all there (as the original's migrations make them)")
+        # Not the original's tables: the application has a table of one of these
+        # names of its own. The file runs, and its tables go into the queue's
+        # schema (migrations run with it first), beside the application's.
+        log.warning(
+            "%s: this database has tables named %s, but not %s, so they are not the "
+            "Nasiko control plane's: its build tables are created in the queue's schema "
+            "instead, and yours are left alone. Do not enqueue build jobs in this database: "
+            "its statements would find your %s first on the search path",
+            where, sorted(present), sorted(set(created) - present), sorted(present))
+        return False
     columns: dict[str, set[str]] = {}
     needs = adoptable.needs()
     for row in await conn.fetch(Q.migrations_table_columns, list(needs)):

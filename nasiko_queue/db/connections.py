@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -43,6 +44,7 @@ class ConnectionSet:
     """
 
     def __init__(self, dsn: str, size: int, *, idle_lifetime: float = math.inf,
+                 init: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
                  **connect_kwargs: Any) -> None:
         if size < 0:
             raise ValueError(f"a connection set cannot have {size} connections")
@@ -50,6 +52,8 @@ class ConnectionSet:
         self._size = size
         self._idle_lifetime = idle_lifetime
         self._connect_kwargs = connect_kwargs
+        #: Run on each new connection before it is handed out (as asyncpg's pools do).
+        self._init = init
         #: Idle connections, with the loop time each was given back at.
         self._idle: list[tuple[asyncpg.Connection, float]] = []
         #: Connections open or being opened (idle ones included).
@@ -110,6 +114,14 @@ class ConnectionSet:
         try:
             conn = await asyncpg.connect(self._dsn, timeout=patience, **self._connect_kwargs)
         except BaseException:
+            self._count -= 1
+            self._wake_one_for_room()
+            raise
+        try:
+            if self._init is not None:
+                await self._init(conn)
+        except BaseException:
+            conn.terminate()
             self._count -= 1
             self._wake_one_for_room()
             raise

@@ -50,11 +50,13 @@ import trio
 from ..errors import CannotConnect, NotMigrated, OutcomeUnknown, is_connection_error, leaves
 from .bridge import trio_asyncio
 from .connections import ConnectionSet
+from .schema import SCHEMA
+from .statements import Q
 
 log = logging.getLogger("nasiko_queue.database")
 
 #: An undefined relation that is the queue's (its tables, or the build jobs' it creates).
-_QUEUE_TABLE = re.compile(r'relation "(nasiko_queue_\w+|build_jobs|agents|agent_builds|'
+_QUEUE_TABLE = re.compile(r'relation "(?:\w+\.)?(nasiko_queue_\w+|build_jobs|agents|agent_builds|'
                           r'mcp_connectors|mcp_connector_builds)" does not exist')
 
 T = TypeVar("T")
@@ -227,7 +229,7 @@ class Database:
         self.config = config
         #: Connections kept for the queue's own writes (`run_kept`).
         self._kept = ConnectionSet(config.dsn, config.enqueue_connections,
-                                   idle_lifetime=KEPT_IDLE_LIFETIME,
+                                   idle_lifetime=KEPT_IDLE_LIFETIME, init=join_schema,
                                    command_timeout=config.command_timeout)
 
     async def _cross(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -604,6 +606,7 @@ class Database:
             timeout=self.config.connect_timeout,
         ))
         try:
+            await self._cross(join_schema(conn))
             yield conn
         finally:
             if not conn.is_closed() and not await self._cleanup(
@@ -768,6 +771,14 @@ def _log_asyncio_error(loop: Any, context: dict[str, Any]) -> None:
     log.warning("asyncio: %s %s", context.get("message", "unhandled error"), detail)
 
 
+async def join_schema(conn: asyncpg.Connection) -> None:
+    """
+    A new connection's set-up: the queue's schema goes last on its search path
+    (`nasiko_queue.db.schema` says why last), one round trip per connection.
+    """
+    await conn.execute(Q.session_schema_append, SCHEMA)
+
+
 async def _keep_session(conn: asyncpg.Connection) -> None:
     """
     The pool's reset on release: nothing beyond asyncpg's own rollback.
@@ -795,13 +806,14 @@ async def _pool(loop: Any, config: DatabaseConfig) -> AsyncIterator[Database]:
             command_timeout=config.command_timeout,
             timeout=config.connect_timeout,
             reset=_keep_session,
+            init=join_schema,
             **settings,
         ))
 
     pool = await create(config.max_connections)
     # No command_timeout: `run_bounded` bounds these statements itself (see there).
     engine_pool = ConnectionSet(config.dsn, config.engine_connections,
-                                idle_lifetime=KEPT_IDLE_LIFETIME,
+                                idle_lifetime=KEPT_IDLE_LIFETIME, init=join_schema,
                                 server_settings=ENGINE_SERVER_SETTINGS)
     control_pool = await create(CONTROL_CONNECTIONS)
     db = Database(loop, pool, engine_pool, control_pool, config)

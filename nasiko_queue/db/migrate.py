@@ -36,6 +36,7 @@ import attrs
 from ..errors import MigrationError
 from .adopt import ADOPTABLE, adopts
 from .database import Database
+from .schema import SCHEMA
 from .statements import Q
 
 log = logging.getLogger("nasiko_queue.migrate")
@@ -147,7 +148,15 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
 
     async def op(conn: asyncpg.Connection) -> list[str]:
         await _lock(conn)
+        # The session's own path, without the schema the pool's set-up appended:
+        # where the application's tables are (for adoption), and what the
+        # queue's functions search after the queue's schema.
+        session_path = await conn.fetchval(Q.migrations_search_path)
         try:
+            await conn.execute(Q.migrations_set_schema, SCHEMA)
+            await conn.execute(Q.migrations_schema_create)
+            function_path = f"{_ident(SCHEMA)}, {_without(session_path, SCHEMA)}"
+            await _enter(conn, session_path)
             await conn.execute(Q.migrations_create_table)
             applied = {r["version"]: r for r in await conn.fetch(Q.migrations_applied)}
             done: list[str] = []
@@ -160,6 +169,7 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
                             "released migrations are never edited: add a new numbered file"
                         )
                     continue
+                await _enter(conn, session_path)
                 if await adopts(conn, m.version, m.name):
                     # The application's own migrations made these tables: recorded,
                     # not run, but for what of the file is the queue's own
@@ -167,6 +177,7 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
                     async with conn.transaction():
                         for name in ADOPTABLE[m.version].own:
                             await conn.execute(getattr(Q, name))
+                        await _path_functions(conn, function_path)
                         await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
                     log.info("adopted the application's tables for migration %s_%s",
                              m.version, m.name)
@@ -175,14 +186,55 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
                 if m.in_transaction:
                     async with conn.transaction():
                         await _apply(conn, m, [m.sql])
+                        await _path_functions(conn, function_path)
                         await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
                 else:
                     await _apply(conn, m, m.statements())
+                    await _path_functions(conn, function_path)
                     await conn.execute(Q.migrations_record, m.version, m.name, m.checksum)
                 log.info("applied migration %s_%s", m.version, m.name)
                 done.append(m.version)
             return done
         finally:
+            await conn.execute(Q.migrations_set_search_path, session_path)
             await conn.execute(Q.migrations_unlock)
 
     return await db.run(op)
+
+
+async def _enter(conn: asyncpg.Connection, session_path: str) -> None:
+    """
+    Set the search path a migration file runs with: the queue's schema first,
+    so that what the file creates lands there; but in a database migrated
+    before the queue had a schema of its own (up to 0037), the schema that
+    holds its tables first, so that a file up to 0037 changes them where they
+    are, until migration 0038 moves them (`nasiko_queue.db.schema`).
+    """
+    rest = _without(session_path, SCHEMA)
+    legacy = await conn.fetchval(Q.migrations_legacy_schema, SCHEMA)
+    if legacy is None:
+        path = f"{_ident(SCHEMA)}, {rest}" if rest else _ident(SCHEMA)
+    else:
+        path = f"{_ident(legacy)}, {rest}, {_ident(SCHEMA)}" if rest else (
+            f"{_ident(legacy)}, {_ident(SCHEMA)}")
+    await conn.execute(Q.migrations_set_search_path, path)
+
+
+async def _path_functions(conn: asyncpg.Connection, function_path: str) -> None:
+    """Give the queue's functions that lack one their search path (see
+    `migrations_functions_unpathed` for which and why)."""
+    for row in await conn.fetch(Q.migrations_functions_unpathed, SCHEMA, function_path):
+        await conn.execute(row[0])
+
+
+def _ident(name: str) -> str:
+    """`name` as an identifier in a search path (a schema name is checked to be a
+    plain identifier, `nasiko_queue.db.schema`; a legacy one may be anything)."""
+    return '"' + name.replace('"', '""') + '"' if not re.fullmatch(r"[a-z_][a-z0-9_]*", name) \
+        else name
+
+
+def _without(path: str, schema: str) -> str:
+    """The search path `path` without `schema` (which the pool's set-up appends)."""
+    parts = [part.strip() for part in path.split(",") if part.strip()]
+    return ", ".join(part for part in parts if part not in (schema, f'"{schema}"'))

@@ -263,6 +263,62 @@ SELECT pg_try_advisory_lock(hashtext('nasiko_queue.migrate'));
 -- name: migrations_unlock
 SELECT pg_advisory_unlock(hashtext('nasiko_queue.migrate'));
 
+-- name: session_schema_append
+-- Every connection of the queue's own: its schema $1 goes last on the session's
+-- search path, after what the DSN or the server set (`nasiko_queue.db.schema`).
+SELECT set_config('search_path',
+                  CASE WHEN current_setting('search_path') = '' THEN quote_ident($1)
+                       ELSE current_setting('search_path') || ', ' || quote_ident($1) END,
+                  false);
+
+-- name: migrations_search_path
+-- The migrator's session search path, to run each file with and to restore.
+SELECT current_setting('search_path');
+
+-- name: migrations_set_search_path
+SELECT set_config('search_path', $1, false);
+
+-- name: migrations_set_schema
+-- Names the queue's schema $1 for this session: migration 0038 and
+-- `migrations_schema_create` read it (a DO block takes no parameters).
+SELECT set_config('nasiko_queue.schema', $1, false);
+
+-- name: migrations_schema_create
+DO $$
+BEGIN
+    EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', current_setting('nasiko_queue.schema'));
+END
+$$;
+
+-- name: migrations_legacy_schema
+-- Where a database migrated before the queue had a schema of its own keeps
+-- the queue's tables (the schema of its bookkeeping table other than $1, the
+-- queue's); no row: none, or already moved (migration 0038).
+SELECT n.nspname::text
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE c.relname = 'nasiko_queue_migrations' AND c.relkind = 'r' AND n.nspname <> $1
+ORDER BY n.nspname
+LIMIT 1;
+
+-- name: migrations_functions_unpathed
+-- ALTER statements that give each function of schema $1 the search path $2,
+-- where it has none: run after every file, so a function that a migration
+-- (re)created finds the queue's tables from any session: an application's
+-- connection calling nasiko_queue_enqueue, the original's Rust worker deleting
+-- a build job (a trigger). Not the SQL helpers declared STABLE or IMMUTABLE:
+-- PostgreSQL inlines those into their callers, which have the path, and would
+-- stop inlining them (and pay a setting's switch on each call) with one.
+SELECT format('ALTER FUNCTION %s SET search_path = %s', p.oid::regprocedure, $2::text)
+FROM pg_proc AS p
+JOIN pg_namespace AS n ON n.oid = p.pronamespace
+JOIN pg_language AS l ON l.oid = p.prolang
+WHERE n.nspname = $1 AND p.prokind = 'f'
+  AND NOT (l.lanname = 'sql' AND p.provolatile IN ('i', 's'))
+  AND NOT EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c(setting)
+                  WHERE c.setting LIKE 'search\_path=%')
+ORDER BY p.oid;
+
 -- name: migrations_create_table
 CREATE TABLE IF NOT EXISTS nasiko_queue_migrations (
     version    text PRIMARY KEY,
@@ -1376,7 +1432,7 @@ SELECT least(
 -- (its worker sees the flag at its next heartbeat). Returns 'cancelled',
 -- 'cancelling', or 'already <state>' for a job that had already ended (nothing
 -- changes); NULL: no such plain job.
-SELECT nasiko_queue_cancel($1);
+SELECT nasiko_queue.nasiko_queue_cancel($1);
 
 -- name: plain_cancels_held
 -- The running jobs worker $1 holds that were asked to stop: (id, attempt).
@@ -1500,10 +1556,11 @@ SELECT state, result::text AS result, error_msg FROM nasiko_queue_jobs WHERE id 
 -- sent at commit, once the lock is gone, it makes that queue's lanes claim
 -- again. Only jobs somebody waits for, not yet started, pay for it.
 WITH job AS (
-    SELECT state, result, error_msg, run_at, queue FROM nasiko_queue_jobs WHERE id = $1
+    SELECT state, result, error_msg, run_at, queue FROM nasiko_queue.nasiko_queue_jobs
+    WHERE id = $1
     FOR SHARE
 ), waits AS (
-    INSERT INTO nasiko_queue_result_waits (job_id, waiter)
+    INSERT INTO nasiko_queue.nasiko_queue_result_waits (job_id, waiter)
     SELECT $1, $2 FROM job WHERE job.state NOT IN ('completed', 'discarded', 'cancelled')
     ON CONFLICT DO NOTHING
 )
@@ -1514,7 +1571,7 @@ FROM job;
 
 -- name: result_wait_remove
 -- Waiter $2 no longer waits for job $1 (it got its answer, or gave up).
-DELETE FROM nasiko_queue_result_waits WHERE job_id = $1 AND waiter = $2;
+DELETE FROM nasiko_queue.nasiko_queue_result_waits WHERE job_id = $1 AND waiter = $2;
 
 -- ============================================================================
 -- Dead-letter queue and job listings (the `jobs` API and CLI).
@@ -2081,7 +2138,9 @@ WITH t AS (
            CASE WHEN s.n_distinct >= 0 THEN s.n_distinct
                 ELSE -s.n_distinct * (SELECT n FROM t) END AS distinct_n
     FROM pg_stats AS s
-    WHERE s.schemaname = current_schema() AND s.tablename = 'nasiko_queue_jobs'
+    JOIN pg_class AS c ON c.oid = to_regclass('nasiko_queue_jobs')
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE s.schemaname = n.nspname AND s.tablename = 'nasiko_queue_jobs'
       AND s.attname IN ('queue', 'state')
 ), share AS (
     SELECT st.attname, v.value,
@@ -2125,7 +2184,8 @@ SELECT round(greatest(c.reltuples, 0) * coalesce(
            s.most_common_freqs[array_position(s.most_common_vals::text::text[], 'failed')], 0)
        )::bigint AS failed
 FROM pg_class AS c
-JOIN pg_stats AS s ON s.schemaname = current_schema() AND s.tablename = 'build_jobs'
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+JOIN pg_stats AS s ON s.schemaname = n.nspname AND s.tablename = 'build_jobs'
                   AND s.attname = 'status'
 WHERE c.oid = to_regclass('build_jobs');
 
@@ -2139,18 +2199,18 @@ WHERE c.oid = to_regclass('build_jobs');
 -- queue, $4 priority, $5 run_at, $6 max_attempts, $7 unique key, $8 its states,
 -- $9 delay in seconds; NULL takes the default. Returns its id, or the id of the
 -- job that holds the unique key.
-SELECT nasiko_queue_enqueue($1, $2::jsonb, $3, $4, $5::timestamptz, $6, $7, $8::text[],
+SELECT nasiko_queue.nasiko_queue_enqueue($1, $2::jsonb, $3, $4, $5::timestamptz, $6, $7, $8::text[],
                             $9::double precision);
 
 -- name: enqueue_function_many
 -- A batch: $1 a JSON array of jobs (see nasiko_queue_enqueue_many); the ids in order.
-SELECT nasiko_queue_enqueue_many($1::jsonb);
+SELECT nasiko_queue.nasiko_queue_enqueue_many($1::jsonb);
 
 -- name: enqueue_function_many_text
 -- `enqueue_function_many`, its ids as text[]: for any DB-API driver (`sync`).
 -- psycopg2 reads uuid[] as one string ('{a,b}') unless the application has
 -- registered its uuid type; it reads text[] as a list everywhere.
-SELECT nasiko_queue_enqueue_many($1::jsonb)::text[];
+SELECT nasiko_queue.nasiko_queue_enqueue_many($1::jsonb)::text[];
 
 -- ============================================================================
 -- Workflows (issue #22, migration 0018).

@@ -14,6 +14,8 @@ from importlib import resources
 
 import attrs
 
+from .schema import qualify
+
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
@@ -46,6 +48,13 @@ class Queries:
     jobs_oldest_pending_age: str
     migrations_lock: str
     migrations_unlock: str
+    session_schema_append: str
+    migrations_search_path: str
+    migrations_set_search_path: str
+    migrations_set_schema: str
+    migrations_schema_create: str
+    migrations_legacy_schema: str
+    migrations_functions_unpathed: str
     migrations_create_table: str
     migrations_applied: str
     migrations_record: str
@@ -297,7 +306,8 @@ def load() -> Queries:
             "queries.sql and _sql.Queries disagree: "
             f"missing {sorted(wanted - set(found))}, unexpected {sorted(set(found) - wanted)}"
         )
-    return Queries(**found)
+    # The queue's schema, where a statement names it (`nasiko_queue.db.schema`).
+    return Queries(**{name: qualify(sql) for name, sql in found.items()})
 
 
 #: The one loaded copy every module uses.

@@ -43,6 +43,7 @@ from uuid import UUID
 import asyncpg
 import trio
 
+from ..db.schema import SCHEMA
 from ..db.statements import Q
 
 log = logging.getLogger("nasiko_queue.worker")
@@ -155,6 +156,8 @@ class LoopWatch:
     async def _send(self, worker: UUID) -> bool:
         if self._conn is None or self._conn.is_closed():
             self._conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout)
+            await self._conn.execute(Q.session_schema_append, SCHEMA,
+                                     timeout=self.connect_timeout)
         return bool(await self._conn.fetchval(Q.worker_keep_alive, worker,
                                               timeout=self.connect_timeout))
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import attrs
 
 from ..db.database import Database
+from ..db.schema import SCHEMA
 from ..db.statements import Queries
 
 #: A replacement in one statement: (old, new), or (old, new, n) where `old`
@@ -78,11 +79,12 @@ def swap(patch: Patcher, owner: type | ModuleType, name: str, replacement: Any) 
     patch.setattr(owner, name, replacement)
 
 
-#: The definition of the one function of that name (migrations install each once).
+#: The definition of the one function of that name in the queue's schema $2
+#: (migrations install each once).
 FUNCTION_DEF = """
 SELECT pg_get_functiondef(p.oid) FROM pg_proc AS p
 JOIN pg_namespace AS n ON n.oid = p.pronamespace
-WHERE p.proname = $1 AND n.nspname = current_schema()
+WHERE p.proname = $1 AND n.nspname = $2
 """
 
 
@@ -94,7 +96,7 @@ async def plant_function(db: Database, function: str, *edits: Edit) -> None:
     default). For the rules migrations install as functions (migration 0018's
     transitions): the test's database is its own, so nothing needs undoing.
     """
-    rows = await db.fetch(FUNCTION_DEF, function)
+    rows = await db.fetch(FUNCTION_DEF, function, SCHEMA)
     if len(rows) != 1:
         raise AssertionError(f"{len(rows)} function(s) named {function}: update the mutant")
     text: str = rows[0][0]
