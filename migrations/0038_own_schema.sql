@@ -24,6 +24,7 @@ DECLARE
     target text := coalesce(nullif(current_setting('nasiko_queue.schema', true), ''),
                             'nasiko_queue');
     source text;
+    clash text;
     r record;
 BEGIN
     SELECT n.nspname INTO source
@@ -34,6 +35,18 @@ BEGIN
         RETURN;
     END IF;
     EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', target);
+    -- A name in both (a replica of the old version migrated again after the
+    -- new one had created the schema): nothing is moved, and the operator
+    -- decides which copy to keep.
+    SELECT string_agg(c.relname, ', ' ORDER BY c.relname) INTO clash
+    FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = source AND c.relname LIKE 'nasiko\_queue\_%'
+      AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
+      AND to_regclass(format('%I.%I', target, c.relname)) IS NOT NULL;
+    IF clash IS NOT NULL THEN
+        RAISE EXCEPTION 'the queue''s tables are in schema % and in schema % (%): keep one copy, drop the other, then migrate again',
+            source, target, clash;
+    END IF;
 
     -- Tables first: their indexes, constraints, triggers, row types and owned
     -- sequences go with them.
@@ -72,7 +85,8 @@ BEGIN
         SELECT t.typname
         FROM pg_type AS t JOIN pg_namespace AS n ON n.oid = t.typnamespace
         WHERE n.nspname = source AND t.typname LIKE 'nasiko\_queue\_%'
-          AND t.typtype IN ('e', 'd', 'c', 'r', 'm') AND t.typelem = 0
+          AND t.typtype IN ('e', 'd', 'c', 'r', 'm')
+          AND NOT EXISTS (SELECT 1 FROM pg_type AS e WHERE e.typarray = t.oid)
           AND (t.typrelid = 0
                OR (SELECT c.relkind FROM pg_class AS c WHERE c.oid = t.typrelid) = 'c')
     LOOP

@@ -20,9 +20,10 @@ import pytest
 
 import nasiko_queue as nq
 from nasiko_queue import Database, Queue, open_database
+from nasiko_queue.cli.worker import _check_schema
 from nasiko_queue.db.migrate import load_migrations, migrate
 from nasiko_queue.db.schema import SCHEMA, schema_name
-from nasiko_queue.errors import ConfigurationError
+from nasiko_queue.errors import ConfigurationError, MigrationError, NasikoQueueError
 
 from .conftest import FAST
 from .helpers import running
@@ -233,3 +234,83 @@ def test_an_invalid_schema_name_is_refused(bad: str) -> None:
     with pytest.raises(ConfigurationError, match="NASIKO_QUEUE_SCHEMA"):
         schema_name(bad)
     assert schema_name("jobs_2") == "jobs_2"
+
+
+async def test_an_application_build_jobs_table_is_refused_not_shadowed(
+    empty_dsn: str,
+) -> None:
+    """Review of issue #46: every worker reads `build_jobs` (the rescue, `status`)
+    by a name the search path resolves, so an application's own table of that
+    name would be read in place of the queue's: refused, saying why."""
+    async with open_database(empty_dsn) as db:
+        await db.execute("CREATE TABLE build_jobs (id serial PRIMARY KEY, sha text)")
+        with pytest.raises(MigrationError, match="has a table build_jobs of its own"):
+            await migrate(db)
+        assert await db.fetchval("SELECT count(*) FROM build_jobs") == 0
+
+
+async def test_a_worker_of_build_jobs_refuses_build_tables_split_across_schemas(
+    empty_dsn: str,
+) -> None:
+    """Review of issue #46: beside an application's `agents`, the build tables are
+    in the queue's schema, and the build statements would take the application's
+    `agents`: a worker with build executors refuses to start; one without runs."""
+    async with open_database(empty_dsn) as db:
+        await db.execute("CREATE TABLE agents (id serial PRIMARY KEY)")
+        await migrate(db)
+        await _check_schema(db)
+        with pytest.raises(NasikoQueueError, match=r"not in one schema \(agent_builds in "
+                                                   rf"{SCHEMA}, agents in public"):
+            await _check_schema(db, builds=True)
+
+
+async def test_migrate_works_with_an_empty_search_path(empty_dsn: str) -> None:
+    """Review of issue #46: `search_path = ''` (the CVE-2018-1058 hardening) made
+    the functions' path `nasiko_queue, ""`, which PostgreSQL refuses."""
+    async with open_database(empty_dsn) as db:
+        await db.execute(f"ALTER DATABASE {await db.fetchval('SELECT current_database()')} "
+                         "SET search_path = ''")
+    async with open_database(empty_dsn) as db:
+        assert await db.fetchval("SHOW search_path") == SCHEMA
+        await migrate(db)
+        assert await db.fetchval(
+            "SELECT proconfig::text FROM pg_proc WHERE proname = 'nasiko_queue_enqueue'") == (
+            f"{{search_path={SCHEMA}}}")
+
+
+async def test_a_0_1_copy_beside_the_schema_is_refused_not_merged(empty_dsn: str) -> None:
+    """Review of issue #46: a replica of 0.1 that migrated public again after the
+    schema was made: 0038 says so instead of failing on a duplicate name."""
+    before = [m for m in load_migrations() if m.version < "0038"]
+    async with open_database(empty_dsn) as db:
+        await db.execute(LEGACY_BOOKKEEPING)
+        await migrate(db, before)
+        await db.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+        await db.execute(f"CREATE TABLE {SCHEMA}.nasiko_queue_jobs (id uuid)")
+        with pytest.raises(MigrationError, match=r"in schema public and in schema .*"
+                                                 r"nasiko_queue_jobs.*keep one copy"):
+            await migrate(db)
+        assert await db.fetchval(QUEUE_OBJECTS, "public") > 20
+
+
+def test_a_process_naming_another_schema_is_refused(empty_dsn: str) -> None:
+    """Review of issue #46: with the queue in `nasiko_queue`, a migrator naming
+    another schema took it for a database of 0.1 and did nothing."""
+    migrate_only = textwrap.dedent("""
+        import sys, trio, nasiko_queue as nq
+        from nasiko_queue.db.migrate import migrate
+
+        async def main(dsn):
+            async with nq.open_database(dsn) as db:
+                await migrate(db)
+
+        trio.run(main, sys.argv[1])
+    """)
+    subprocess.run([sys.executable, "-c", migrate_only, empty_dsn], capture_output=True,
+                   text=True, timeout=120, check=True)
+    env = {**os.environ, "NASIKO_QUEUE_SCHEMA": "jobs_here"}
+    out = subprocess.run([sys.executable, "-c", migrate_only, empty_dsn], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0
+    assert f"the queue already lives in schema '{SCHEMA}'" in out.stderr
+    assert f"set NASIKO_QUEUE_SCHEMA={SCHEMA}" in out.stderr

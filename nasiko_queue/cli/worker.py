@@ -117,13 +117,17 @@ async def _watch_signals(
     await watch_signals(signals, worker.stop, scope, shutdown, logger=log, level=logging.INFO)
 
 
-async def _check_schema(db: Database) -> None:
+async def _check_schema(db: Database, *, builds: bool = False) -> None:
     """
     Fail fast on a database the worker cannot use.
 
     The worker itself never gives up on the database (it waits and reconnects,
     docs/rules.md §5), which is right once it runs, but a wrong DSN or an unmigrated
-    database at startup is a mistake to report, not an outage to wait out.
+    database at startup is a mistake to report, not an outage to wait out. With
+    `builds` (the worker has build executors), the build tables must all be
+    found in one schema: where an application has an `agents` table of its own,
+    they were created in the queue's schema beside it (`nasiko_queue.db.adopt`),
+    and the build statements, which name them without a schema, would mix the two.
     """
     applied = {row["version"] for row in await db.fetch(Q.migrations_applied)}
     missing = [m.version for m in load_migrations() if m.version not in applied]
@@ -132,6 +136,16 @@ async def _check_schema(db: Database) -> None:
             f"the database schema is not up to date (missing {', '.join(missing)}); "
             "run `nasiko-queue migrate` first"
         )
+    if builds:
+        found = {row["table_name"]: row["schema"]
+                 for row in await db.fetch(Q.build_tables_schemas)}
+        if len(set(found.values())) > 1:
+            where = ", ".join(f"{table} in {schema}" for table, schema in found.items())
+            raise NasikoQueueError(
+                f"this worker has build executors, but the build tables are not in one "
+                f"schema ({where}): some of those names are your application's own "
+                "tables. Run build jobs in a database of their own, or start the worker "
+                "without build executors")
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -149,7 +163,7 @@ def _unreachable(exc: BaseException) -> bool:
 
 
 async def _check_schema_when_up(
-    db: Database, dsn: str, config: QueueConfig, shutdown: _Shutdown
+    db: Database, dsn: str, config: QueueConfig, shutdown: _Shutdown, *, builds: bool = False
 ) -> bool:
     """
     `_check_schema`, waiting out a server that cannot be reached yet.
@@ -161,7 +175,7 @@ async def _check_schema_when_up(
     delay = config.retry_initial_delay
     while True:
         try:
-            await _check_schema(db)
+            await _check_schema(db, builds=builds)
             return True
         except Exception as exc:
             if not _unreachable(exc):
@@ -210,7 +224,8 @@ async def _work(dsn: str, executors: Executors, config: QueueConfig,
 
                         click.echo(login_message(login_url(service.host, service.port,
                                                            token)), err=True)
-                if await _check_schema_when_up(db, dsn, config, shutdown):
+                builds = bool(executors.kinds) and config.builds
+                if await _check_schema_when_up(db, dsn, config, shutdown, builds=builds):
                     await worker.run()
                 nursery.cancel_scope.cancel()
     return EXIT_HARD_STOP if shutdown.hard else 0

@@ -93,7 +93,8 @@ async def adopts(conn: asyncpg.Connection, version: str, name: str) -> bool:
 
     Raises:
         MigrationError: its tables all exist, but one lacks a column the queue
-            needs, or a type it needs is missing.
+            needs, or a type it needs is missing; or the application has a
+            build_jobs table of its own.
     """
     adoptable = ADOPTABLE.get(version)
     if adoptable is None:
@@ -104,14 +105,24 @@ async def adopts(conn: asyncpg.Connection, version: str, name: str) -> bool:
         return False
     where = f"migration {version}_{name}"
     if len(present) != len(created):
+        if "build_jobs" in present:
+            # Every worker reads build_jobs (the rescue, `status`), whether or not
+            # it runs build jobs, and finds the first on the search path: the
+            # application's, not one in the queue's schema.
+            raise MigrationError(
+                f"{where}: this database has a table build_jobs of its own (without "
+                f"{sorted(set(created) - present)}, so not the Nasiko control plane's); "
+                "the queue's workers read a table of that name, and would read yours. "
+                "Rename it, or give the queue a database of its own")
         # Not the original's tables: the application has a table of one of these
         # names of its own. The file runs, and its tables go into the queue's
         # schema (migrations run with it first), beside the application's.
         log.warning(
             "%s: this database has tables named %s, but not %s, so they are not the "
             "Nasiko control plane's: its build tables are created in the queue's schema "
-            "instead, and yours are left alone. Do not enqueue build jobs in this database: "
-            "its statements would find your %s first on the search path",
+            "instead, and yours are left alone. A worker with build executors refuses to "
+            "start in this database: their statements would find your %s first on the "
+            "search path",
             where, sorted(present), sorted(set(created) - present), sorted(present))
         return False
     columns: dict[str, set[str]] = {}

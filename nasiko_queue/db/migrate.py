@@ -36,7 +36,7 @@ import attrs
 from ..errors import MigrationError
 from .adopt import ADOPTABLE, adopts
 from .database import Database
-from .schema import SCHEMA
+from .schema import SCHEMA, SCHEMA_ENV
 from .statements import Q
 
 log = logging.getLogger("nasiko_queue.migrate")
@@ -155,7 +155,7 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
         try:
             await conn.execute(Q.migrations_set_schema, SCHEMA)
             await conn.execute(Q.migrations_schema_create)
-            function_path = f"{_ident(SCHEMA)}, {_without(session_path, SCHEMA)}"
+            function_path = _path(SCHEMA, _without(session_path, SCHEMA))
             await _enter(conn, session_path)
             await conn.execute(Q.migrations_create_table)
             applied = {r["version"]: r for r in await conn.fetch(Q.migrations_applied)}
@@ -196,8 +196,10 @@ async def migrate(db: Database, migrations: list[Migration] | None = None) -> li
                 done.append(m.version)
             return done
         finally:
-            await conn.execute(Q.migrations_set_search_path, session_path)
-            await conn.execute(Q.migrations_unlock)
+            try:
+                await conn.execute(Q.migrations_set_search_path, session_path)
+            finally:
+                await conn.execute(Q.migrations_unlock)
 
     return await db.run(op)
 
@@ -210,14 +212,25 @@ async def _enter(conn: asyncpg.Connection, session_path: str) -> None:
     holds its tables first, so that a file up to 0037 changes them where they
     are, until migration 0038 moves them (`nasiko_queue.db.schema`).
     """
+    others = await conn.fetch(Q.migrations_legacy_schema, SCHEMA)
+    moved = [r["schema"] for r in others if r["moved"]]
+    if moved:
+        raise MigrationError(
+            f"the queue already lives in schema {moved[0]!r} of this database, but this "
+            f"process names schema {SCHEMA!r} ({SCHEMA_ENV}): every process that shares "
+            f"the database must name the same one; set {SCHEMA_ENV}={moved[0]}")
+    legacy = [r["schema"] for r in others]
+    if len(legacy) > 1:
+        raise MigrationError(f"the queue's tables of 0.1 are in several schemas of this "
+                             f"database ({', '.join(legacy)}): keep one, drop the others")
     rest = _without(session_path, SCHEMA)
-    legacy = await conn.fetchval(Q.migrations_legacy_schema, SCHEMA)
-    if legacy is None:
-        path = f"{_ident(SCHEMA)}, {rest}" if rest else _ident(SCHEMA)
-    else:
-        path = f"{_ident(legacy)}, {rest}, {_ident(SCHEMA)}" if rest else (
-            f"{_ident(legacy)}, {_ident(SCHEMA)}")
+    path = _path(legacy[0], rest, SCHEMA) if legacy else _path(SCHEMA, rest)
     await conn.execute(Q.migrations_set_search_path, path)
+
+
+def _path(first: str, rest: str, *last: str) -> str:
+    """A search path: schema `first`, then the path `rest`, then schemas `last`."""
+    return ", ".join(part for part in (_ident(first), rest, *map(_ident, last)) if part)
 
 
 async def _path_functions(conn: asyncpg.Connection, function_path: str) -> None:
@@ -236,5 +249,8 @@ def _ident(name: str) -> str:
 
 def _without(path: str, schema: str) -> str:
     """The search path `path` without `schema` (which the pool's set-up appends)."""
-    parts = [part.strip() for part in path.split(",") if part.strip()]
-    return ", ".join(part for part in parts if part not in (schema, f'"{schema}"'))
+    parts = [part.strip() for part in path.split(",")]
+    # An empty path ('' or '""', as the hardening advice of CVE-2018-1058 sets
+    # it) has no part to keep: a zero-length name is refused in a path.
+    return ", ".join(part for part in parts
+                     if part not in ("", '""', schema, f'"{schema}"'))

@@ -267,7 +267,7 @@ SELECT pg_advisory_unlock(hashtext('nasiko_queue.migrate'));
 -- Every connection of the queue's own: its schema $1 goes last on the session's
 -- search path, after what the DSN or the server set (`nasiko_queue.db.schema`).
 SELECT set_config('search_path',
-                  CASE WHEN current_setting('search_path') = '' THEN quote_ident($1)
+                  CASE WHEN current_setting('search_path') IN ('', '""') THEN quote_ident($1)
                        ELSE current_setting('search_path') || ', ' || quote_ident($1) END,
                   false);
 
@@ -291,15 +291,19 @@ END
 $$;
 
 -- name: migrations_legacy_schema
--- Where a database migrated before the queue had a schema of its own keeps
--- the queue's tables (the schema of its bookkeeping table other than $1, the
--- queue's); no row: none, or already moved (migration 0038).
-SELECT n.nspname::text
+-- Another schema than $1 (the queue's) that holds a bookkeeping table of the
+-- queue: where a database migrated before the queue had a schema of its own
+-- keeps the queue's tables, or (moved: it records 0038) where the queue lives
+-- under another name. Each with whether it records 0038, read by dynamic SQL
+-- (query_to_xml) since the schema is a value here. No row: none.
+SELECT n.nspname::text AS schema,
+       (xpath('/row/n/text()', query_to_xml(format(
+           'SELECT count(*) AS n FROM %I.nasiko_queue_migrations WHERE version = %L',
+           n.nspname, '0038'), false, true, '')))[1]::text::int > 0 AS moved
 FROM pg_class AS c
 JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.relname = 'nasiko_queue_migrations' AND c.relkind = 'r' AND n.nspname <> $1
-ORDER BY n.nspname
-LIMIT 1;
+ORDER BY n.nspname;
 
 -- name: migrations_functions_unpathed
 -- ALTER statements that give each function of schema $1 the search path $2,
@@ -307,8 +311,9 @@ LIMIT 1;
 -- (re)created finds the queue's tables from any session: an application's
 -- connection calling nasiko_queue_enqueue, the original's Rust worker deleting
 -- a build job (a trigger). Not the SQL helpers declared STABLE or IMMUTABLE:
--- PostgreSQL inlines those into their callers, which have the path, and would
--- stop inlining them (and pay a setting's switch on each call) with one.
+-- they are called only by the queue's own statements and by functions that
+-- carry the path, and a SET clause would stop PostgreSQL inlining those it can
+-- inline (and cost a setting's switch on each call).
 SELECT format('ALTER FUNCTION %s SET search_path = %s', p.oid::regprocedure, $2::text)
 FROM pg_proc AS p
 JOIN pg_namespace AS n ON n.oid = p.pronamespace
@@ -318,6 +323,16 @@ WHERE n.nspname = $1 AND p.prokind = 'f'
   AND NOT EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c(setting)
                   WHERE c.setting LIKE 'search\_path=%')
 ORDER BY p.oid;
+
+-- name: build_tables_schemas
+-- The schemas the search path finds the build port's tables in: a worker of
+-- build jobs needs them all in one (`nasiko_queue.db.adopt`).
+SELECT t.name AS table_name, n.nspname::text AS schema
+FROM unnest(ARRAY['agents', 'agent_builds', 'build_jobs', 'mcp_connectors',
+                  'mcp_connector_builds']) AS t(name)
+JOIN pg_class AS c ON c.oid = to_regclass(quote_ident(t.name))
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ORDER BY t.name;
 
 -- name: migrations_create_table
 CREATE TABLE IF NOT EXISTS nasiko_queue_migrations (

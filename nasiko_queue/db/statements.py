@@ -55,6 +55,7 @@ class Queries:
     migrations_schema_create: str
     migrations_legacy_schema: str
     migrations_functions_unpathed: str
+    build_tables_schemas: str
     migrations_create_table: str
     migrations_applied: str
     migrations_record: str
