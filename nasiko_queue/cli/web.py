@@ -95,32 +95,40 @@ def dashboard_command(ctx: click.Context, dsn: str | None, bind: str, token: str
     sessions = Sessions(idle=session_idle_mins * 60, lifetime=session_max_hours * 3600)
 
     async def serve_dashboard() -> None:
-        async with open_database(dsn) as db:
-            # A wrong DSN, an unmigrated database or a server that is down is a
-            # one-line error now, not a dashboard whose every page fails.
-            await _check_schema(db)
-            app = dashboard_app(db, token=token or None, read_only=read_only, config=config,
-                                schedules=schedules, allowed_hosts=allowed_hosts,
-                                sessions=sessions)
-            mode = "read-only" if read_only else "actions need the token"
-            # Ctrl-C and SIGTERM are ours, as for `worker`: the first stops the
-            # server gracefully (exit 0), a second at once (130). Left to trio, the
-            # KeyboardInterrupt could land in any task, the database bridge's
-            # included, and under load the process then hung instead of ending.
-            stop = trio.Event()
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async with trio.open_nursery() as nursery:
+        # Ctrl-C and SIGTERM are ours from the start, as for `worker`: the first
+        # stops the server gracefully (exit 0), or the start-up where it is, a
+        # second stops at once (130). Left to trio, the KeyboardInterrupt could
+        # land in any task, the database bridge's included: under load the
+        # process then hung, or trio failed with an internal error while the
+        # bridge's loop was starting (a SIGINT 0.68 s into start-up, CI).
+        stop = trio.Event()
+        serving = False
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
 
-                    async def watch_signals() -> None:
-                        async for signum in signals:
-                            name = signal.Signals(signum).name
-                            if stop.is_set():
-                                click.echo(f"{name} again: stopping now", err=True)
-                                hard.append(signum)
-                                nursery.cancel_scope.cancel()
-                                return
-                            click.echo(f"{name}: stopping", err=True)
-                            stop.set()
+                async def watch_signals() -> None:
+                    async for signum in signals:
+                        name = signal.Signals(signum).name
+                        if stop.is_set():
+                            click.echo(f"{name} again: stopping now", err=True)
+                            hard.append(signum)
+                            nursery.cancel_scope.cancel()
+                            return
+                        click.echo(f"{name}: stopping", err=True)
+                        stop.set()
+                        if not serving:  # still starting: nothing to finish
+                            nursery.cancel_scope.cancel()
+                            return
+
+                nursery.start_soon(watch_signals)
+                async with open_database(dsn) as db:
+                    # A wrong DSN, an unmigrated database or a server that is down
+                    # is a one-line error now, not a dashboard whose every page fails.
+                    await _check_schema(db)
+                    app = dashboard_app(db, token=token or None, read_only=read_only,
+                                        config=config, schedules=schedules,
+                                        allowed_hosts=allowed_hosts, sessions=sessions)
+                    mode = "read-only" if read_only else "actions need the token"
 
                     async def run_server(*, task_status: trio.TaskStatus[list[str]]
                                          = trio.TASK_STATUS_IGNORED) -> None:
@@ -129,7 +137,7 @@ def dashboard_command(ctx: click.Context, dsn: str | None, bind: str, token: str
                                     shutdown_trigger=stop.wait, task_status=task_status)
                         nursery.cancel_scope.cancel()  # served and stopped: the end
 
-                    nursery.start_soon(watch_signals)
+                    serving = True
                     with reporting_bind_errors(bind):  # a busy port, named in one line
                         binds = await nursery.start(run_server)
                     # Said once it listens (a busy port prints only its error).
@@ -138,6 +146,9 @@ def dashboard_command(ctx: click.Context, dsn: str | None, bind: str, token: str
                     if generated and token:
                         click.echo(login_message(login_url(
                             host, int(bound.rsplit(":", 1)[1]), token)), err=True)
+                    # The server runs in the nursery until a signal stops it; the
+                    # database stays open meanwhile.
+                    await trio.sleep_forever()
 
     hard: list[int] = []
     _run(dsn, serve_dashboard)

@@ -175,8 +175,18 @@ async def _check_schema_when_up(
     delay = config.retry_initial_delay
     while True:
         try:
-            await _check_schema(db, builds=builds)
-            return True
+            # A stop asked for while the read waits (a slow server, a lock held
+            # on the bookkeeping table) ends the wait: nothing has started yet.
+            async with trio.open_nursery() as nursery:
+
+                async def stop_waiting() -> None:
+                    await shutdown.requested.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(stop_waiting)
+                await _check_schema(db, builds=builds)
+                nursery.cancel_scope.cancel()
+            return not shutdown.requested.is_set()
         except Exception as exc:
             if not _unreachable(exc):
                 raise
