@@ -120,9 +120,9 @@ async def adopts(conn: asyncpg.Connection, version: str, name: str) -> bool:
         log.warning(
             "%s: this database has tables named %s, but not %s, so they are not the "
             "Nasiko control plane's: its build tables are created in the queue's schema "
-            "instead, and yours are left alone. A worker with build executors refuses to "
-            "start in this database: their statements would find your %s first on the "
-            "search path",
+            "instead, and yours are left alone. `nasiko-queue worker` with build "
+            "executors refuses to start in this database: their statements would find "
+            "your %s first on the search path",
             where, sorted(present), sorted(set(created) - present), sorted(present))
         return False
     columns: dict[str, set[str]] = {}
